@@ -1,0 +1,33 @@
+"""Package metadata for megatron_rl.
+
+torch is deliberately unpinned: GPU users bring their own CUDA build. CPU machines (laptops, CI)
+install through ``constraints-cpu.txt``, which keeps torch on the 2.13.0 CPU wheel; the Makefile
+does that for you.
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="Reinforcement-learning post-training of mixture-of-experts LLMs on Megatron-core",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.26",
+        "matplotlib>=3.8",
+        "rich>=13",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff==0.17.6"],
+        # Cluster extras. Transformer Engine needs CUDA headers to build; never install on CPU.
+        "gpu": ["transformer-engine[pytorch]>=2.4"],
+        "sglang": ["sglang>=0.5.4", "sglang-router>=0.2"],
+    },
+)
