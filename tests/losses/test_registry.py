@@ -14,6 +14,7 @@ from megatron_rl.losses import (
     compute_policy_loss,
     get_loss_spec,
     register_policy_loss,
+    registry,
 )
 
 EXPECTED = {"grpo", "dapo", "gspo", "gspo_token", "vespo", "epic", "sapo", "cispo", "topr"}
@@ -68,7 +69,9 @@ def test_unknown_aggregation_mode_lists_the_modes(batch):
         compute_policy_loss("grpo", loss_agg_mode="mean", **batch.kwargs())
 
 
-def test_user_registered_loss_is_callable_through_the_api():
+def test_user_registered_loss_is_callable_through_the_api(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # undone after the test
+
     @dataclass(frozen=True, kw_only=True, slots=True)
     class ScaledConfig:
         scale: float = 2.0
