@@ -20,9 +20,13 @@ setup(
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
     install_requires=[
         "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "transformers>=4.51",
+        "safetensors>=0.4",
         "numpy>=1.26",
         "matplotlib>=3.8",
         "rich>=13",
+        "tqdm>=4.66",
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff==0.17.6"],

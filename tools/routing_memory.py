@@ -15,7 +15,8 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from megatron_rl.routing import ParallelLayout, RoutingCodec, routing_state_bytes
+from megatron_rl.parallel import ParallelConfig
+from megatron_rl.routing import RoutingCodec, routing_state_bytes
 
 GIB = 1024**3
 
@@ -34,8 +35,11 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1)
     args = parser.parse_args()
 
-    layout = ParallelLayout(
-        dp=args.dp, tp=args.tp, cp=args.cp, pp=args.pp, sequence_parallel=args.sp
+    parallel = ParallelConfig(
+        tensor_parallel=args.tp,
+        context_parallel=args.cp,
+        pipeline_parallel=args.pp,
+        sequence_parallel=args.sp,
     )
     table = Table(
         title=f"routing state: {args.responses} responses, {args.moe_layers} MoE layers, "
@@ -56,7 +60,9 @@ def main() -> None:
         cells = [name, f"{codec.bytes_per_token_layer():g}"]
         for length in args.length:
             whole = routing_state_bytes(codec, args.responses, length, args.moe_layers)
-            local = routing_state_bytes(codec, args.responses, length, args.moe_layers, layout)
+            local = routing_state_bytes(
+                codec, args.responses, length, args.moe_layers, parallel, args.dp
+            )
             cells += [f"{whole / GIB:.3f}", f"{local / GIB:.3f}"]
         table.add_row(*cells)
     Console(width=160).print(table)

@@ -14,8 +14,7 @@ keeps only what its own Megatron forward consumes:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from megatron_rl.parallel import ParallelConfig
 from megatron_rl.routing.codec import RoutingCodec
 
 
@@ -23,33 +22,22 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ParallelLayout:
-    dp: int = 1
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "cp", "pp", "ep"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.cp * self.pp
-
-    def local_counts(
-        self, num_responses: int, tokens_per_response: int, num_moe_layers: int
-    ) -> tuple[int, int]:
-        """(tokens, MoE layers) of routing state on the fullest rank."""
-        tokens = _ceil_div(num_responses, self.dp) * _ceil_div(tokens_per_response, self.cp)
-        if self.sequence_parallel:
-            tokens = _ceil_div(tokens, self.tp)
-        return tokens, _ceil_div(num_moe_layers, self.pp)
+def local_counts(
+    parallel: ParallelConfig,
+    data_parallel: int,
+    num_responses: int,
+    tokens_per_response: int,
+    num_moe_layers: int,
+) -> tuple[int, int]:
+    """(tokens, MoE layers) of routing state on the fullest rank."""
+    if not (isinstance(data_parallel, int) and data_parallel >= 1):
+        raise ValueError(f"data_parallel must be a positive int, got {data_parallel!r}")
+    tokens = _ceil_div(num_responses, data_parallel) * _ceil_div(
+        tokens_per_response, parallel.context_parallel
+    )
+    if parallel.sequence_parallel:
+        tokens = _ceil_div(tokens, parallel.tensor_parallel)
+    return tokens, _ceil_div(num_moe_layers, parallel.pipeline_parallel)
 
 
 def routing_state_bytes(
@@ -57,10 +45,13 @@ def routing_state_bytes(
     num_responses: int,
     tokens_per_response: int,
     num_moe_layers: int,
-    layout: ParallelLayout | None = None,
+    parallel: ParallelConfig | None = None,
+    data_parallel: int = 1,
 ) -> int:
-    """Bytes of routing state for the whole batch (``layout=None``) or on the fullest rank."""
-    if layout is None:
+    """Bytes of routing state for the whole batch (``parallel=None``) or on the fullest rank."""
+    if parallel is None:
         return codec.nbytes(num_responses * tokens_per_response, num_moe_layers)
-    tokens, layers = layout.local_counts(num_responses, tokens_per_response, num_moe_layers)
+    tokens, layers = local_counts(
+        parallel, data_parallel, num_responses, tokens_per_response, num_moe_layers
+    )
     return codec.nbytes(tokens, layers)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.routing import ParallelLayout, RoutingCodec, routing_state_bytes
+from megatron_rl.parallel import ParallelConfig
+from megatron_rl.routing import RoutingCodec, local_counts, routing_state_bytes
 
 GIB = 1024**3
 
@@ -34,20 +35,26 @@ def test_reproduces_epic_table_4(dtype, length, gib):
 def test_per_rank_share_divides_by_dp_cp_sp_and_pp_but_not_ep():
     codec = RoutingCodec(128, 8, "uint8")
     whole = routing_state_bytes(codec, 64, 1024, 48)
-    layout = ParallelLayout(dp=4, tp=2, cp=2, pp=3, ep=8, sequence_parallel=True)
-    assert routing_state_bytes(codec, 64, 1024, 48, layout) * 4 * 2 * 2 * 3 == whole
-    no_sp = ParallelLayout(dp=4, tp=2, cp=2, pp=3)
-    assert routing_state_bytes(codec, 64, 1024, 48, no_sp) * 4 * 2 * 3 == whole
+    parallel = ParallelConfig(
+        tensor_parallel=2, context_parallel=2, pipeline_parallel=3, expert_parallel=8
+    )
+    assert parallel.sequence_parallel  # on by default with TP > 1
+    assert routing_state_bytes(codec, 64, 1024, 48, parallel, 4) * 4 * 2 * 2 * 3 == whole
+    no_sp = ParallelConfig(
+        tensor_parallel=2, context_parallel=2, pipeline_parallel=3, sequence_parallel=False
+    )
+    assert routing_state_bytes(codec, 64, 1024, 48, no_sp, 4) * 4 * 2 * 3 == whole
 
 
 def test_uneven_splits_count_the_fullest_rank():
-    layout = ParallelLayout(dp=3, pp=5)
-    assert layout.local_counts(10, 7, 48) == (4 * 7, 10)
+    assert local_counts(ParallelConfig(pipeline_parallel=5), 3, 10, 7, 48) == (4 * 7, 10)
 
 
 def test_invalid_layout_names_the_field():
-    with pytest.raises(ValueError, match="cp must be a positive int"):
-        ParallelLayout(cp=0)
+    with pytest.raises(ValueError, match="context_parallel=0"):
+        ParallelConfig(context_parallel=0)
+    with pytest.raises(ValueError, match="data_parallel must be a positive int"):
+        local_counts(ParallelConfig(), 0, 10, 7, 48)
 
 
 def test_routing_memory_tool_prints_table_4_numbers():

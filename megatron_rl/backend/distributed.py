@@ -1,0 +1,79 @@
+"""torch.distributed + megatron-core ``parallel_state`` set-up and teardown.
+
+gloo on CPU, nccl on GPU. The parallel sizes come from a `ParallelConfig`; megatron-core's
+``parallel_state`` builds every group, the model builder only reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron_rl.backend.cpu import select_device
+from megatron_rl.parallel import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(
+    parallel: ParallelConfig,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    device: str = "auto",
+) -> torch.device:
+    """Initialise the default process group, megatron's parallel groups and its RNG tracker.
+
+    Args:
+        parallel: model-parallel sizes.
+        rank, world_size: default to the RANK/WORLD_SIZE environment (torchrun), else 0/1.
+        init_method: e.g. ``file:///tmp/rdzv`` or ``tcp://host:port``; defaults to ``env://``
+            when MASTER_ADDR is set (torchrun), else a free local TCP port (single process).
+        device: "auto", "cpu" or "cuda" (see `select_device`).
+
+    Returns:
+        The device this rank computes on.
+    """
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    parallel.check_world_size(world_size)
+    compute_device = select_device(device)
+    if not dist.is_initialized():
+        if init_method is None:
+            init_method = "env://" if "MASTER_ADDR" in os.environ else _free_tcp_address()
+        backend = "nccl" if compute_device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=rank, world_size=world_size
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        context_parallel_size=parallel.context_parallel,
+        expert_model_parallel_size=parallel.expert_parallel,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(parallel.seed)
+    logger.info("rank %d/%d initialised on %s with %s", rank, world_size, compute_device, parallel)
+    return compute_device
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's parallel groups and the default process group (idempotent)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_tcp_address() -> str:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"

@@ -1,0 +1,115 @@
+"""Build the megatron-core `GPTModel` of a Qwen3-MoE config, and run it as a causal LM.
+
+Layer spec: Transformer Engine when TE is importable and the process computes on CUDA, the local
+(megatron-core only) spec otherwise. Both hold the same weights; `conversion.names` maps either
+set of parameter names to the HF names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from transformers import Qwen3MoeConfig
+
+from megatron_rl.backend import cuda_available
+from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_norm_in_spec
+from megatron_rl.model.config import (
+    ModelOptions,
+    load_hf_config,
+    rope_theta,
+    to_transformer_config,
+)
+
+logger = logging.getLogger(__name__)
+
+SPECS = ("auto", "local", "te")
+
+
+def te_available() -> bool:
+    """Transformer Engine importable and the process computing on CUDA."""
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_spec(spec: str) -> str:
+    """ "auto" -> "te" or "local"; validates the name."""
+    if spec not in SPECS:
+        raise ValueError(f"spec={spec!r}: choose one of {SPECS}")
+    if spec == "auto":
+        return "te" if te_available() else "local"
+    if spec == "te" and not te_available():
+        raise ValueError("spec='te' needs Transformer Engine and CUDA; use spec='local'")
+    return spec
+
+
+def build_model(
+    hf_config: Qwen3MoeConfig | str | os.PathLike,
+    options: ModelOptions | None = None,
+    *,
+    spec: str = "auto",
+) -> GPTModel:
+    """The megatron-core GPTModel of ``hf_config`` for this rank's pipeline stage and shards.
+
+    ``parallel_state`` must be initialised (`megatron_rl.backend.init_distributed`). Weights are
+    randomly initialised; load them with `megatron_rl.model.conversion.load_hf_checkpoint`.
+    """
+    hf_config = load_hf_config(hf_config)
+    options = options or ModelOptions()
+    use_te = resolve_spec(spec) == "te"
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if hf_config.vocab_size % tp:
+        raise ValueError(f"vocab_size={hf_config.vocab_size} is not divisible by TP={tp}")
+    if hf_config.num_key_value_heads % tp:
+        raise ValueError(
+            f"num_key_value_heads={hf_config.num_key_value_heads} not divisible by TP={tp}"
+        )
+    if hf_config.num_experts % ep:
+        raise ValueError(f"num_experts={hf_config.num_experts} is not divisible by EP={ep}")
+    config = to_transformer_config(hf_config, options, use_te=use_te)
+    block_spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, normalization="RMSNorm"
+    )
+    if not use_te:
+        block_spec = swap_norm_in_spec(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+    )
+    logger.info(
+        "built %s-spec GPTModel: %d local parameters",
+        "te" if use_te else "local",
+        sum(p.numel() for p in model.parameters()),
+    )
+    return model
+
+
+def causal_lm_logits(model: GPTModel, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [B, T, V] (gathered over tensor parallel) for token ids [B, T].
+
+    The attention is causal over each row; positions are 0..T-1.
+    """
+    batch, seq = input_ids_BT.shape
+    position_ids_BT = torch.arange(seq, device=input_ids_BT.device).expand(batch, seq)
+    logits_BTv = model(input_ids=input_ids_BT, position_ids=position_ids_BT, attention_mask=None)
+    return gather_from_tensor_model_parallel_region(logits_BTv)

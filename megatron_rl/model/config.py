@@ -1,0 +1,164 @@
+"""Hugging Face `Qwen3MoeConfig` -> megatron-core `TransformerConfig` (+ GPTModel arguments).
+
+Parallel sizes are read from megatron-core's ``parallel_state`` (initialise it first, see
+`megatron_rl.backend.init_distributed`); this module only states the architecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer import TransformerConfig
+from transformers import Qwen3MoeConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ModelOptions:
+    """Training-side choices that are not part of the HF architecture."""
+
+    dtype: str = "float32"
+    sequence_parallel: bool | None = None  # None: on whenever tensor parallel > 1
+    routing_replay: bool = False
+    aux_loss_coeff: float = 0.0
+    recompute: bool = False
+    token_dispatcher: str = "alltoall"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"ModelOptions.dtype={self.dtype!r}: choose one of {list(_DTYPES)}")
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"ModelOptions.aux_loss_coeff={self.aux_loss_coeff}: must be >= 0")
+        if self.token_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(
+                f"ModelOptions.token_dispatcher={self.token_dispatcher!r}: "
+                "use 'alltoall' or 'allgather'"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+def load_hf_config(config: Qwen3MoeConfig | str | os.PathLike) -> Qwen3MoeConfig:
+    """Accept a config object, a ``config.json`` path or a checkpoint folder holding one."""
+    if isinstance(config, Qwen3MoeConfig):
+        return config
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    if data.get("model_type") not in (None, "qwen3_moe"):
+        raise ValueError(f"{path}: model_type={data.get('model_type')!r}, expected 'qwen3_moe'")
+    return Qwen3MoeConfig.from_dict(data)
+
+
+def rope_theta(hf_config: Qwen3MoeConfig) -> float:
+    """The rope base, from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type={params['rope_type']!r} is not supported; only 'default'")
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("the HF config has neither rope_parameters['rope_theta'] nor rope_theta")
+    return float(theta)
+
+
+def moe_layer_pattern(hf_config: Qwen3MoeConfig) -> list[int]:
+    """Per layer, 1 for a sparse (MoE) layer and 0 for a dense one, as HF Qwen3-MoE decides."""
+    step = hf_config.decoder_sparse_step
+    dense = set(hf_config.mlp_only_layers or [])
+    return [
+        int(i not in dense and hf_config.num_experts > 0 and (i + 1) % step == 0)
+        for i in range(hf_config.num_hidden_layers)
+    ]
+
+
+def shared_expert_size(hf_config: Qwen3MoeConfig) -> int | None:
+    """Shared-expert FFN size when the config has shared experts (Qwen2-MoE style), else None."""
+    size = getattr(hf_config, "shared_expert_intermediate_size", None)
+    return int(size) if size else None
+
+
+def to_transformer_config(
+    hf_config: Qwen3MoeConfig, options: ModelOptions, *, use_te: bool
+) -> TransformerConfig:
+    """The `TransformerConfig` matching ``hf_config`` under the current ``parallel_state``."""
+    if hf_config.hidden_act != "silu":
+        raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("use_sliding_window=True is not supported; set it to False")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    sequence_parallel = tp > 1 if options.sequence_parallel is None else options.sequence_parallel
+    dtype = options.torch_dtype
+    head_dim = getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    pattern = moe_layer_pattern(hf_config)
+    has_moe = any(pattern)
+    shared = shared_expert_size(hf_config)
+    extra: dict[str, Any] = {}
+    if options.recompute:
+        extra.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=hf_config.initializer_range,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=sequence_parallel,
+        num_moe_experts=hf_config.num_experts if has_moe else None,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_layer_freq=pattern,
+        moe_router_score_function="softmax",
+        # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob. Megatron without
+        # pre-softmax takes the softmax over the top-k logits, which is the renormalised form.
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if options.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=options.aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=options.token_dispatcher,
+        moe_grouped_gemm=use_te,
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
+        moe_enable_routing_replay=options.routing_replay,
+        # Fusions need Transformer Engine or apex; the local path leaves all of them off.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        moe_permute_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **extra,
+    )

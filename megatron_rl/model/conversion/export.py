@@ -1,0 +1,107 @@
+"""Stream a (possibly sharded) megatron GPTModel out as HF or canonical (name, tensor) pairs.
+
+`iter_hf_tensors` is what weight sync to rollout engines uses too: every rank of a TP/EP group
+walks the same parameter list, gathers one parameter at a time over TP (and its experts over
+EP), and yields full tensors; nothing larger than one gathered parameter is held.
+With pipeline parallelism each stage yields its own layers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from transformers import Qwen3MoeConfig
+
+from megatron_rl.model.config import load_hf_config
+from megatron_rl.model.conversion.names import rank_tensor_maps
+from megatron_rl.model.conversion.safetensors_io import atomic_write_text, write_checkpoint
+from megatron_rl.model.conversion.sharding import (
+    all_gather,
+    model_layout_name,
+    model_rank_layout,
+    shard_coords,
+    with_expert,
+)
+from megatron_rl.model.conversion.transforms import split, unshard
+
+logger = logging.getLogger(__name__)
+
+MEGATRON_FORMAT = "megatron_rl-canonical-v1"
+
+
+def _iter_full(model: torch.nn.Module, cfg: Qwen3MoeConfig) -> Iterator[tuple]:
+    """(TensorMap, full canonical tensor) for every tensor of this rank's pipeline stage."""
+    rank = model_rank_layout(model)
+    params = model.state_dict(keep_vars=True)
+    num_local_experts = cfg.num_experts // rank.ep_size
+    for tmap in rank_tensor_maps(cfg, model_layout_name(model), rank):
+        local = params[tmap.param].detach()
+        _, group_size = shard_coords(tmap.group, rank)
+        full = unshard(tmap, all_gather(local, tmap.group, group_size)) if group_size > 1 else local
+        if tmap.local_expert is None:
+            yield tmap, full
+            continue
+        own = rank.ep_rank * num_local_experts + tmap.local_expert
+        for ep_rank, tensor in enumerate(all_gather(full, "ep", rank.ep_size)):
+            yield with_expert(tmap, own, ep_rank * num_local_experts + tmap.local_expert), tensor
+
+
+def iter_hf_tensors(
+    model: torch.nn.Module, hf_config: Qwen3MoeConfig | str | os.PathLike
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every tensor of this pipeline stage, on every rank."""
+    cfg = load_hf_config(hf_config)
+    for tmap, full in _iter_full(model, cfg):
+        yield from zip(tmap.hf, split(tmap, full, cfg), strict=True)
+
+
+def iter_canonical_tensors(
+    model: torch.nn.Module, hf_config: Qwen3MoeConfig | str | os.PathLike
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical Megatron name, full tensor) for every tensor of this pipeline stage."""
+    cfg = load_hf_config(hf_config)
+    for tmap, full in _iter_full(model, cfg):
+        yield tmap.canonical, full.contiguous()
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    hf_config: Qwen3MoeConfig | str | os.PathLike,
+    folder: str | os.PathLike,
+    *,
+    fmt: str = "hf",
+    max_shard_bytes: int = 2 * 1024**3,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> None:
+    """Write the model as an HF ("hf") or canonical Megatron ("megatron") checkpoint.
+
+    Collective: every rank must call it; global rank 0 writes ``folder`` (safetensors shards and
+    ``config.json``). Needs pipeline parallel size 1.
+    """
+    if fmt not in ("hf", "megatron"):
+        raise ValueError(f"fmt={fmt!r}: choose 'hf' or 'megatron'")
+    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError("save_checkpoint needs pipeline parallel size 1; export per stage instead")
+    cfg = load_hf_config(hf_config)
+    tensors = iter_hf_tensors(model, cfg) if fmt == "hf" else iter_canonical_tensors(model, cfg)
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    if is_writer:
+        folder = os.fspath(folder)
+        os.makedirs(folder, exist_ok=True)
+        stream = progress(tensors) if progress else tensors
+        meta = {"megatron_rl": MEGATRON_FORMAT} if fmt == "megatron" else {}
+        write_checkpoint(stream, folder, max_shard_bytes=max_shard_bytes, metadata=meta)
+        config = {**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
+        atomic_write_text(os.path.join(folder, "config.json"), json.dumps(config, indent=2))
+        logger.info("wrote %s checkpoint to %s", fmt, folder)
+    else:
+        for _ in tensors:
+            pass
+    if dist.is_initialized():
+        dist.barrier()

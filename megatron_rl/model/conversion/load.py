@@ -1,0 +1,129 @@
+"""Load an HF or canonical Megatron checkpoint into a (possibly sharded) megatron GPTModel.
+
+Each rank reads only the tensors its shard needs. Everything is validated (tensor names against
+the config, shapes against the config and the model) before the first weight is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+from transformers import Qwen3MoeConfig
+
+from megatron_rl.model.config import load_hf_config
+from megatron_rl.model.conversion.names import (
+    expected_canonical_shapes,
+    expected_hf_shapes,
+    rank_tensor_maps,
+)
+from megatron_rl.model.conversion.safetensors_io import CheckpointReader
+from megatron_rl.model.conversion.sharding import (
+    model_layout_name,
+    model_rank_layout,
+    shard_coords,
+)
+from megatron_rl.model.conversion.transforms import fuse, shard
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("hf", "megatron")
+_MAX_LISTED = 12
+
+
+def detect_format(folder: str | os.PathLike) -> str:
+    """ "megatron" for a canonical Megatron checkpoint, "hf" for a Hugging Face one."""
+    with CheckpointReader(folder) as reader:
+        return "megatron" if "decoder.final_layernorm.weight" in reader.names() else "hf"
+
+
+def _listed(names: Iterable[str]) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+def validate_checkpoint(
+    reader: CheckpointReader, expected: dict[str, tuple[int, ...]], what: str
+) -> None:
+    """Raise ValueError naming every missing, unexpected or wrongly shaped tensor."""
+    present = set(reader.names())
+    problems = []
+    missing = set(expected) - present
+    extra = present - set(expected)
+    if missing:
+        problems.append(f"{len(missing)} missing tensors: {_listed(missing)}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensors: {_listed(extra)}")
+    bad = {
+        name: (reader.shape(name), shape)
+        for name, shape in expected.items()
+        if name in present and reader.shape(name) != shape
+    }
+    if bad:
+        problems.append(
+            f"{len(bad)} tensors with wrong shapes: "
+            + _listed(f"{n} has {got}, model expects {want}" for n, (got, want) in bad.items())
+        )
+    if problems:
+        raise ValueError(
+            f"{what} {reader.folder} does not match the model config: "
+            + "; ".join(problems)
+            + ". Check that the checkpoint and the model config (experts, layers, sizes) agree."
+        )
+
+
+def load_checkpoint(
+    model: torch.nn.Module,
+    folder: str | os.PathLike,
+    hf_config: Qwen3MoeConfig | str | os.PathLike,
+    *,
+    fmt: str = "auto",
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> None:
+    """Copy this rank's shard of the checkpoint in ``folder`` into ``model``'s parameters.
+
+    Args:
+        model: a GPTModel from `megatron_rl.model.build_model` (local or TE spec, any TP/EP/PP).
+        folder: HF checkpoint or canonical Megatron checkpoint (safetensors, sharded or not).
+        hf_config: the model's HF config (object, config.json or folder).
+        fmt: "hf", "megatron" or "auto" (detected from the tensor names).
+        progress: optional wrapper around the per-tensor loop (e.g. ``tqdm``).
+    """
+    cfg = load_hf_config(hf_config)
+    fmt = detect_format(folder) if fmt == "auto" else fmt
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt={fmt!r}: choose 'auto' or one of {FORMATS}")
+    rank = model_rank_layout(model)
+    maps = rank_tensor_maps(cfg, model_layout_name(model), rank)
+    params = {k: v for k, v in model.state_dict(keep_vars=True).items() if torch.is_tensor(v)}
+    unmapped = set(params) - {m.param for m in maps}
+    unknown = {m.param for m in maps} - set(params)
+    if unmapped or unknown:
+        raise RuntimeError(
+            f"model parameters and name map disagree: unmapped {_listed(unmapped)}; "
+            f"not in model {_listed(unknown)}"
+        )
+    staged: dict[str, torch.Tensor] = {}
+    with CheckpointReader(folder) as reader:
+        expected = expected_hf_shapes(cfg) if fmt == "hf" else expected_canonical_shapes(cfg)
+        validate_checkpoint(reader, expected, f"{fmt} checkpoint")
+        for tmap in progress(maps) if progress else maps:
+            if fmt == "hf":
+                full = fuse(tmap, [reader.get(name) for name in tmap.hf], cfg)
+            else:
+                full = reader.get(tmap.canonical)
+            part = shard(tmap, full, *shard_coords(tmap.group, rank))
+            target = params[tmap.param]
+            if tuple(part.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{tmap.param}: checkpoint shard has shape {tuple(part.shape)}, "
+                    f"the model parameter {tuple(target.shape)}"
+                )
+            staged[tmap.param] = part
+    with torch.no_grad():
+        for name, tensor in staged.items():
+            params[name].copy_(tensor)
+    logger.info("loaded %d tensors from %s (%s)", len(staged), os.fspath(folder), fmt)

@@ -1,0 +1,247 @@
+"""Name and shape mapping between Qwen3-MoE HF tensors and megatron-core parameters.
+
+Three name spaces:
+- HF: ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` ... (what ``save_pretrained`` and the
+  rollout engines use).
+- canonical: the megatron *local-spec* name of the unsharded tensor with the global layer and
+  expert index (``decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight``). This is
+  also the format of a megatron_rl Megatron checkpoint, so one checkpoint loads into either spec
+  and any TP/EP layout.
+- param: the name in one rank's ``model.state_dict()``, local or Transformer Engine spec, local
+  layer and expert index.
+
+A `TensorMap` ties the three together for one rank-local parameter. ``kind`` says how HF tensors
+fuse into the canonical one: "plain" (1:1), "qkv" (q, k, v interleaved per query group) or "glu"
+(gate and up stacked); ``shard_dim`` is the dimension split over ``group`` ("tp", "etp" or None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from transformers import Qwen3MoeConfig
+
+from megatron_rl.model.config import moe_layer_pattern, shared_expert_size
+
+LAYOUTS = ("local", "te")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorMap:
+    """How one rank-local megatron parameter relates to canonical and HF tensors."""
+
+    param: str
+    canonical: str
+    hf: tuple[str, ...]
+    kind: str = "plain"
+    shard_dim: int | None = None
+    group: str | None = None
+    layer: int | None = None
+    local_expert: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankLayout:
+    """Which shard of the model one rank holds (pipeline: layers [layer_offset, +num_layers))."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    layer_offset: int = 0
+    num_layers: int | None = None
+    pre_process: bool = True
+    post_process: bool = True
+
+
+def head_dim(hf_config: Qwen3MoeConfig) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: int) -> list:
+    """Maps of global layer ``i`` held as local layer ``li``."""
+    hp, cp, m = f"model.layers.{i}.", f"decoder.layers.{i}.", f"decoder.layers.{li}."
+    te = layout == "te"
+    sparse = moe_layer_pattern(cfg)[i] == 1
+    maps = [
+        TensorMap(
+            param=m
+            + ("self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"),
+            canonical=cp + "input_layernorm.weight",
+            hf=(hp + "input_layernorm.weight",),
+        ),
+        TensorMap(
+            param=m + "self_attention.linear_qkv.weight",
+            canonical=cp + "self_attention.linear_qkv.weight",
+            hf=tuple(hp + f"self_attn.{x}_proj.weight" for x in "qkv"),
+            kind="qkv",
+            shard_dim=0,
+            group="tp",
+        ),
+        TensorMap(
+            param=m + "self_attention.q_layernorm.weight",
+            canonical=cp + "self_attention.q_layernorm.weight",
+            hf=(hp + "self_attn.q_norm.weight",),
+        ),
+        TensorMap(
+            param=m + "self_attention.k_layernorm.weight",
+            canonical=cp + "self_attention.k_layernorm.weight",
+            hf=(hp + "self_attn.k_norm.weight",),
+        ),
+        TensorMap(
+            param=m + "self_attention.linear_proj.weight",
+            canonical=cp + "self_attention.linear_proj.weight",
+            hf=(hp + "self_attn.o_proj.weight",),
+            shard_dim=1,
+            group="tp",
+        ),
+    ]
+    if getattr(cfg, "attention_bias", False):
+        maps.append(
+            TensorMap(
+                param=m + "self_attention.linear_qkv.bias",
+                canonical=cp + "self_attention.linear_qkv.bias",
+                hf=tuple(hp + f"self_attn.{x}_proj.bias" for x in "qkv"),
+                kind="qkv",
+                shard_dim=0,
+                group="tp",
+            )
+        )
+    dense_norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
+    maps.append(
+        TensorMap(
+            param=m + ("pre_mlp_layernorm.weight" if sparse else dense_norm),
+            canonical=cp + "pre_mlp_layernorm.weight",
+            hf=(hp + "post_attention_layernorm.weight",),
+        )
+    )
+    if not sparse:
+        maps += _mlp_maps(m + "mlp.", cp + "mlp.", hp + "mlp.", "tp")
+        return maps
+    maps.append(
+        TensorMap(
+            param=m + "mlp.router.weight",
+            canonical=cp + "mlp.router.weight",
+            hf=(hp + "mlp.gate.weight",),
+        )
+    )
+    num_local = cfg.num_experts // rank.ep_size
+    for j in range(num_local):
+        e = rank.ep_rank * num_local + j
+        for fc, hf_names, kind, dim in (
+            ("linear_fc1", ("gate_proj", "up_proj"), "glu", 0),
+            ("linear_fc2", ("down_proj",), "plain", 1),
+        ):
+            param = m + (
+                f"mlp.experts.{fc}.weight{j}"
+                if te
+                else f"mlp.experts.local_experts.{j}.{fc}.weight"
+            )
+            maps.append(
+                TensorMap(
+                    param=param,
+                    canonical=cp + f"mlp.experts.local_experts.{e}.{fc}.weight",
+                    hf=tuple(hp + f"mlp.experts.{e}.{x}.weight" for x in hf_names),
+                    kind=kind,
+                    shard_dim=dim,
+                    group="etp",
+                    layer=i,
+                    local_expert=j,
+                )
+            )
+    if shared_expert_size(cfg):
+        maps += _mlp_maps(
+            m + "mlp.shared_experts.", cp + "mlp.shared_experts.", hp + "mlp.shared_expert.", "tp"
+        )
+        maps.append(
+            TensorMap(
+                param=m + "mlp.shared_experts.gate_weight",
+                canonical=cp + "mlp.shared_experts.gate_weight",
+                hf=(hp + "mlp.shared_expert_gate.weight",),
+            )
+        )
+    return maps
+
+
+def _mlp_maps(param_prefix: str, canonical_prefix: str, hf_prefix: str, group: str) -> list:
+    return [
+        TensorMap(
+            param=param_prefix + "linear_fc1.weight",
+            canonical=canonical_prefix + "linear_fc1.weight",
+            hf=(hf_prefix + "gate_proj.weight", hf_prefix + "up_proj.weight"),
+            kind="glu",
+            shard_dim=0,
+            group=group,
+        ),
+        TensorMap(
+            param=param_prefix + "linear_fc2.weight",
+            canonical=canonical_prefix + "linear_fc2.weight",
+            hf=(hf_prefix + "down_proj.weight",),
+            shard_dim=1,
+            group=group,
+        ),
+    ]
+
+
+def rank_tensor_maps(
+    hf_config: Qwen3MoeConfig, layout: str = "local", rank: RankLayout | None = None
+) -> list[TensorMap]:
+    """The `TensorMap` of every parameter one rank holds, in a rank-independent order.
+
+    Ranks of one TP/EP group get lists of equal length whose i-th entries are the same tensor
+    (TP) or the same local expert slot (EP), so collectives can walk them in lockstep.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose one of {LAYOUTS}")
+    rank = rank or RankLayout()
+    num_layers = rank.num_layers if rank.num_layers is not None else hf_config.num_hidden_layers
+    maps: list[TensorMap] = []
+    if rank.pre_process:
+        maps.append(
+            TensorMap(
+                param="embedding.word_embeddings.weight",
+                canonical="embedding.word_embeddings.weight",
+                hf=("model.embed_tokens.weight",),
+                shard_dim=0,
+                group="tp",
+            )
+        )
+    for li in range(num_layers):
+        maps += _layer_maps(hf_config, layout, rank, rank.layer_offset + li, li)
+    if rank.post_process:
+        maps.append(
+            TensorMap(
+                param="decoder.final_layernorm.weight",
+                canonical="decoder.final_layernorm.weight",
+                hf=("model.norm.weight",),
+            )
+        )
+        if not hf_config.tie_word_embeddings:
+            maps.append(
+                TensorMap(
+                    param="output_layer.weight",
+                    canonical="output_layer.weight",
+                    hf=("lm_head.weight",),
+                    shard_dim=0,
+                    group="tp",
+                )
+            )
+    return maps
+
+
+def expected_hf_shapes(hf_config: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the HF checkpoint of ``hf_config`` and its shape."""
+    from megatron_rl.model.conversion.transforms import hf_shape
+
+    return {name: hf_shape(name, hf_config) for t in rank_tensor_maps(hf_config) for name in t.hf}
+
+
+def expected_canonical_shapes(hf_config: Qwen3MoeConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the canonical (Megatron checkpoint) form and its shape."""
+    from megatron_rl.model.conversion.transforms import canonical_shape
+
+    return {t.canonical: canonical_shape(t, hf_config) for t in rank_tensor_maps(hf_config)}

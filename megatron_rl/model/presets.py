@@ -1,0 +1,74 @@
+"""Named Qwen3-MoE model shapes, as Hugging Face `Qwen3MoeConfig` objects.
+
+Unknown names raise ValueError listing the known ones (an explicit allowlist).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import Qwen3MoeConfig
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-30B-A3B's config.json shape.
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    ),
+    # Qwen3-MoE-shaped, a few seconds per training step on 2 CPU cores.
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+# tiny with one dense layer, tied embeddings and unnormalised top-k: the other code paths.
+_PRESETS["tiny-dense-tied"] = dict(
+    _PRESETS["tiny"],
+    norm_topk_prob=False,
+    mlp_only_layers=[0],
+    rope_theta=10_000.0,
+    tie_word_embeddings=True,
+)
+
+PRESET_NAMES = tuple(_PRESETS)
+
+
+def preset_config(name: str, **overrides: Any) -> Qwen3MoeConfig:
+    """The `Qwen3MoeConfig` of preset ``name`` with keyword ``overrides`` applied."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(_PRESETS)}")
+    kwargs = {**_PRESETS[name], **overrides}
+    rope_theta = kwargs.pop("rope_theta")
+    kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
+    return Qwen3MoeConfig(**kwargs)

@@ -1,0 +1,51 @@
+"""Parallel layout of a Megatron job: one validated config, importable without megatron-core.
+
+The backend passes it to megatron's ``parallel_state``; the routing layer uses it to account for
+what each rank holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Model-parallel sizes; data parallel is whatever remains of the world size."""
+
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    expert_tensor_parallel: int = 1
+    sequence_parallel: bool | None = None  # None: on whenever tensor_parallel > 1
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_parallel",
+            "expert_parallel",
+            "pipeline_parallel",
+            "context_parallel",
+            "expert_tensor_parallel",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelConfig.{name}={value!r}: must be an integer >= 1")
+        if self.sequence_parallel is None:
+            self.sequence_parallel = self.tensor_parallel > 1
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError(
+                "ParallelConfig.sequence_parallel=True needs tensor_parallel > 1; set it to False"
+            )
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError if ``world_size`` is not a multiple of the model-parallel sizes."""
+        dense = self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+        expert = self.expert_parallel * self.expert_tensor_parallel * self.pipeline_parallel
+        for what, size in (("tensor*pipeline*context", dense), ("expert*pipeline", expert)):
+            if world_size % size:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by {what} parallel size {size}; "
+                    "change ParallelConfig or the number of ranks"
+                )
