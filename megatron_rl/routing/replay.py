@@ -1,0 +1,349 @@
+"""Routing replay (R2 / R3) driven through megatron-core's own ``RouterReplay`` API.
+
+The model is built with ``ModelOptions(routing_replay=True)`` so that every ``TopKRouter`` owns a
+``RouterReplay``; this driver only sets its action (RECORD / REPLAY_FORWARD / REPLAY_BACKWARD)
+and its target indices, and observes routers with standard forward hooks. Nothing in megatron is
+patched.
+
+* **R2** (``mode="r2"``): the old-logprob pass records each micro-batch's routing on this rank
+  (``record``), stored encoded with ``RoutingCodec``; every update pass of the step replays it into
+  the same micro-batch (``replay(key=...)``).
+* **R3** (``mode="r3"``): routes recorded by the rollout engine are aligned to this rank's rows
+  (``routes_for_micro_batch``, see ``alignment``) and replayed in the old-logprob pass and the
+  updates (``replay(routes=...)``).
+* ``record_only=True``: nothing is replayed; the router routes freely and the driver measures how
+  often it agrees with the recorded / rollout routes (the train-inference routing mismatch).
+
+Schedules: ``push`` sets one micro-batch's targets right before its forward (call it from a
+megatron ``forward_step_func`` for pipeline schedules); after each forward of a model chunk a
+forward hook switches that chunk's routers to REPLAY_BACKWARD, so activation recompute in the
+backward pass pops the same targets (FIFO, as 1F1B runs backwards in forward order). ``end_pass``
+checks that every pushed route was consumed exactly once by the forward (and once by the
+recompute when a backward ran) and raises ``RuntimeError`` naming the layer and the counts.
+The ``record`` / ``replay`` context managers wrap this for one micro-batch.
+
+Storage: only this rank's rows of its own micro-batches and only the MoE layers of its pipeline
+stage; ``state_bytes()`` is exact. ``end_step()`` clears everything between RL steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+from megatron_rl.routing.alignment import TokenSources, gather_routes
+from megatron_rl.routing.codec import CODECS, RoutingBlob, RoutingCodec
+
+REPLAY_MODES = ("off", "r2", "r3")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReplayConfig:
+    mode: str = "off"
+    record_only: bool = False
+    dtype: str = "auto"  # routing codec for stored routes
+    measure_agreement: bool = True  # one extra router GEMM per MoE layer and forward
+
+    def __post_init__(self) -> None:
+        if self.mode not in REPLAY_MODES:
+            raise ValueError(f"mode={self.mode!r} is unknown; choose one of {REPLAY_MODES}")
+        if self.dtype not in CODECS:
+            raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {CODECS}")
+        if self.record_only and self.mode == "off":
+            raise ValueError("record_only needs mode='r2' or 'r3' (the routes to compare with)")
+
+
+class RoutingReplay:
+    """Drives the ``RouterReplay`` of every MoE layer of this rank's model chunks."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        config: ReplayConfig,
+        *,
+        num_experts: int,
+        topk: int,
+        moe_layer_numbers: Sequence[int],
+    ) -> None:
+        chunks = list(model) if isinstance(model, Sequence) else [model]
+        self.config = config
+        self.codec = RoutingCodec(num_experts, topk, config.dtype)
+        self.routers: list[TopKRouter] = []
+        self._chunk_of: list[int] = []
+        for c, chunk in enumerate(chunks):
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    self.routers.append(module)
+                    self._chunk_of.append(c)
+        if config.mode != "off" and any(r.router_replay is None for r in self.routers):
+            raise ValueError(
+                "routing replay needs routers with a RouterReplay: build the model with "
+                "ModelOptions(routing_replay=True)"
+            )
+        self.layer_numbers = [int(r.layer_number) for r in self.routers]
+        missing = sorted(set(self.layer_numbers) - set(moe_layer_numbers))
+        if missing:
+            raise ValueError(f"model has MoE layers {missing} not in moe_layer_numbers")
+        self.layer_columns = [list(moe_layer_numbers).index(n) for n in self.layer_numbers]
+        self._recorded: dict[Hashable, RoutingBlob] = {}
+        num_layers = len(self.routers)
+        self._agree = torch.zeros(num_layers, dtype=torch.float64)
+        self._seen = torch.zeros(num_layers, dtype=torch.float64)
+        self._reset_pass()
+        self._handles = [
+            router.register_forward_pre_hook(self._make_router_hook(j))
+            for j, router in enumerate(self.routers)
+        ]
+        self._chunk_in_forward = [False] * len(chunks)
+        for c, chunk in enumerate(chunks):
+            self._handles.append(chunk.register_forward_pre_hook(self._make_chunk_hook(c, True)))
+            self._handles.append(chunk.register_forward_hook(self._make_chunk_hook(c, False)))
+
+    # ------------------------------------------------------------------ pass primitives
+    def _reset_pass(self) -> None:
+        num_layers = len(self.routers)
+        self._kind: str | None = None
+        self._pushed = 0
+        self._forward_calls = [0] * num_layers
+        self._recompute_calls = [0] * num_layers
+        self._targets: list[torch.Tensor] | None = None
+
+    def start_pass(self, kind: str) -> None:
+        """Begin a ``"record"`` or ``"replay"`` pass over one or more micro-batches."""
+        if self.config.mode == "off":
+            raise RuntimeError("routing replay is off; no pass to start")
+        if kind not in ("record", "replay"):
+            raise ValueError(f"kind={kind!r}: use 'record' or 'replay'")
+        if self._kind is not None:
+            raise RuntimeError(f"a {self._kind!r} pass is still open; call end_pass() first")
+        self._reset_pass()
+        self._kind = kind
+        if kind == "record":  # recording never changes the routing, also in record_only mode
+            self._set_action(RouterReplayAction.RECORD)
+
+    def push(self, routes_per_layer: Sequence[torch.Tensor]) -> None:
+        """Targets ``[rows, K]`` per local MoE layer for the next micro-batch forward."""
+        if self._kind != "replay":
+            raise RuntimeError("push() needs an open replay pass (start_pass('replay'))")
+        if len(routes_per_layer) != len(self.routers):
+            raise RuntimeError(
+                f"got routes for {len(routes_per_layer)} MoE layers, this rank has "
+                f"{len(self.routers)} (layers {self.layer_numbers})"
+            )
+        self._targets = [t.to(torch.int64) for t in routes_per_layer]
+        self._pushed += 1
+        if not self.config.record_only:
+            for router, target in zip(self.routers, self._targets, strict=True):
+                router.router_replay.set_target_indices(target)
+                router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def pop_recorded(self) -> torch.Tensor:
+        """``[rows, local_layers, K]`` routing of the micro-batch the record pass just ran."""
+        if self._kind != "record":
+            raise RuntimeError("pop_recorded() needs an open record pass")
+        recorded = [r.router_replay.get_recorded_indices() for r in self.routers]
+        for number, indices in zip(self.layer_numbers, recorded, strict=True):
+            if indices is None:
+                raise RuntimeError(f"MoE layer {number} recorded nothing: did the forward run?")
+        for router in self.routers:
+            router.router_replay.record_indices(None)
+        self._pushed += 1
+        return torch.stack(recorded, dim=1)
+
+    def end_pass(self) -> None:
+        """Check that every route was consumed exactly once; clear megatron's replay state."""
+        try:
+            # activation recompute replays once per micro-batch, or not at all (no backward ran)
+            expected_recompute = self._pushed if self._recompute_configured() else 0
+            for j, number in enumerate(self.layer_numbers):
+                forward, recompute = self._forward_calls[j], self._recompute_calls[j]
+                if forward != self._pushed or recompute not in (0, expected_recompute):
+                    raise RuntimeError(
+                        f"MoE layer {number}: {self._pushed} micro-batch(es) of routes, consumed "
+                        f"{forward} time(s) by forward and {recompute} by backward recompute "
+                        f"(expected {self._pushed} and {expected_recompute})"
+                    )
+        finally:
+            for router in self.routers:
+                if router.router_replay is not None:
+                    router.router_replay.clear_indices()
+                    router.router_replay.clear_router_replay_action()
+            self._reset_pass()
+
+    def _recompute_configured(self) -> bool:
+        return bool(self.routers) and self.routers[0].config.recompute_granularity is not None
+
+    def _set_action(self, action: RouterReplayAction, chunk: int | None = None) -> None:
+        for router, c in zip(self.routers, self._chunk_of, strict=True):
+            if chunk is None or c == chunk:
+                router.router_replay.set_router_replay_action(action)
+
+    # ------------------------------------------------------------------ hooks
+    def _make_chunk_hook(self, chunk: int, entering: bool):
+        def hook(module, *args):
+            del module, args
+            self._chunk_in_forward[chunk] = entering
+            replaying = self._kind == "replay" and not self.config.record_only
+            if not entering and replaying:
+                self._set_action(RouterReplayAction.REPLAY_BACKWARD, chunk)
+
+        return hook
+
+    def _make_router_hook(self, j: int):
+        def hook(module: TopKRouter, args) -> None:
+            if self._kind is None:
+                return
+            hidden = args[0]
+            rows = hidden.numel() // hidden.shape[-1]
+            if not self._chunk_in_forward[self._chunk_of[j]]:  # activation recompute in backward
+                self._recompute_calls[j] += 1
+                if self._kind == "replay" and not self.config.record_only:
+                    pending = module.router_replay.replay_backward_list
+                    self._check_rows(j, rows, pending[0] if pending else None, "recompute")
+                return
+            self._forward_calls[j] += 1
+            if self._kind == "replay":
+                target = self._targets[j]
+                if not self.config.record_only:
+                    self._check_rows(j, rows, target, "forward")
+                if self.config.measure_agreement:
+                    self._count_agreement(j, module, hidden, target)
+
+        return hook
+
+    def _check_rows(self, j: int, rows: int, target: torch.Tensor | None, when: str) -> None:
+        if target is None:
+            raise RuntimeError(
+                f"MoE layer {self.layer_numbers[j]}: {when} needs replayed routes but none are left"
+            )
+        if target.shape[0] != rows:
+            raise RuntimeError(
+                f"MoE layer {self.layer_numbers[j]}: the {when} routes {rows} local tokens but "
+                f"{target.shape[0]} replay rows were given; the routes do not belong to this "
+                "micro-batch / rank"
+            )
+
+    @torch.no_grad()
+    def _count_agreement(self, j, router, hidden, target) -> None:
+        if target.shape[0] * target.shape[1] == 0:
+            return
+        logits = router.gating(hidden).reshape(-1, router.config.num_moe_experts)
+        own = logits.topk(self.codec.topk, dim=-1).indices.sort(dim=-1).values
+        if own.shape != target.shape:
+            raise RuntimeError(
+                f"MoE layer {self.layer_numbers[j]}: router chose {tuple(own.shape)} routes, "
+                f"targets are {tuple(target.shape)}"
+            )
+        same = (own == target.to(own.device).sort(dim=-1).values).all(dim=-1)
+        self._agree[j] += same.sum().item()
+        self._seen[j] += same.numel()
+
+    # ------------------------------------------------------------------ one micro-batch
+    @contextlib.contextmanager
+    def record(self, key: Hashable) -> Iterator[None]:
+        """Record the routing of the forward run inside; store it under ``key`` (R2)."""
+        self.start_pass("record")
+        succeeded = False
+        try:
+            yield
+            self._recorded[key] = self.codec.encode(self.pop_recorded())
+            succeeded = True
+        finally:
+            self._finish(succeeded)
+
+    @contextlib.contextmanager
+    def replay(
+        self,
+        *,
+        key: Hashable | None = None,
+        routes: Sequence[torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Replay (or, record_only, compare with) R2 routes under ``key`` or given ``routes``.
+
+        Run the forward *and* the backward inside the block when activation recompute is on.
+        """
+        if (key is None) == (routes is None):
+            raise ValueError("pass exactly one of key (R2) and routes (R3)")
+        if routes is None:
+            if key not in self._recorded:
+                raise RuntimeError(f"no routes were recorded under key {key!r} in this step")
+            decoded = self.codec.decode(self._recorded[key])
+            routes = [decoded[:, j] for j in range(decoded.shape[1])]
+        self.start_pass("replay")
+        succeeded = False
+        try:
+            self.push(routes)
+            yield
+            succeeded = True
+        finally:
+            self._finish(succeeded)
+
+    def _finish(self, succeeded: bool) -> None:
+        if succeeded:
+            self.end_pass()
+            return
+        with contextlib.suppress(RuntimeError):  # the body's own error is the one to see
+            self.end_pass()
+
+    # ------------------------------------------------------------------ R3 alignment
+    def keep_local_layers(self, blob: RoutingBlob) -> RoutingBlob:
+        """Re-encode a sample's routes keeping only this pipeline stage's MoE layers."""
+        if blob.num_layers == len(self.routers):
+            return blob
+        decoded = self._codec_for(blob).decode(blob)
+        return self.codec.encode(decoded[:, self.layer_columns].contiguous())
+
+    def routes_for_micro_batch(
+        self,
+        sample_blobs: Sequence[RoutingBlob],
+        lengths: Sequence[int],
+        sources: TokenSources,
+    ) -> list[torch.Tensor]:
+        """Per local MoE layer ``[rows, K]`` targets from rollout-engine routes (R3)."""
+        decoded, columns = [], None
+        for blob in sample_blobs:
+            decoded.append(self._codec_for(blob).decode(blob))
+            local = blob.num_layers == len(self.routers)
+            blob_columns = list(range(len(self.routers))) if local else self.layer_columns
+            if columns not in (None, blob_columns):
+                raise ValueError("sample routes mix full-model and stage-local layer sets")
+            columns = blob_columns
+        return gather_routes(decoded, list(lengths), sources, columns, r3_rows=True)
+
+    def _codec_for(self, blob: RoutingBlob) -> RoutingCodec:
+        """The codec a blob was encoded with (an engine may use another dtype than the driver)."""
+        if blob.codec == self.codec.codec:
+            return self.codec
+        return RoutingCodec(self.codec.num_experts, self.codec.topk, blob.codec)
+
+    # ------------------------------------------------------------------ step state
+    def state_bytes(self) -> int:
+        """Bytes of routing state this driver holds on this rank (R2 recordings)."""
+        return sum(blob.nbytes for blob in self._recorded.values())
+
+    def metrics(self) -> dict[str, float]:
+        out = {"routing/state_bytes": float(self.state_bytes())}
+        if self._seen.sum() > 0:
+            out["routing/agreement"] = float(self._agree.sum() / self._seen.sum())
+            for j, number in enumerate(self.layer_numbers):
+                if self._seen[j] > 0:
+                    out[f"routing/agreement/layer_{number}"] = float(self._agree[j] / self._seen[j])
+        return out
+
+    def end_step(self) -> None:
+        """Drop this step's recordings and agreement counts."""
+        if self._kind is not None:
+            raise RuntimeError(f"end_step() with a {self._kind!r} pass still open")
+        self._recorded.clear()
+        self._agree.zero_()
+        self._seen.zero_()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
