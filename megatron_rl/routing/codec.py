@@ -12,8 +12,8 @@
   8 bytes for uint8 and 32 for int32. Decoding returns the experts in ascending order (the set is
   what routing replay needs; Megatron gathers the gate probabilities at the given indices).
 
-Everything is vectorised torch (CPU or GPU); the packed codec works on chunks of
-``PACK_CHUNK_ITEMS`` token-layers so its temporary bit tensor stays bounded.
+Everything is vectorised torch (CPU or GPU): packing places each rank at its bit offset in a
+stream of int64 words (two word writes per set), with no per-bit expansion.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 
 DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
 CODECS = ("auto", *DTYPES, "packed")
-PACK_CHUNK_ITEMS = 1 << 16  # token-layers per packing chunk (a multiple of 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,30 +149,33 @@ class RoutingCodec:
         experts = sets_NK.to(torch.int64).sort(dim=-1).values
         slots = torch.arange(1, self.topk + 1, device=experts.device)
         ranks_N = binom[experts, slots].sum(dim=-1)
-        shifts = torch.arange(self.bits, device=experts.device)
-        byte_weights = (1 << torch.arange(8, device=experts.device)).to(torch.int64)
-        chunks = []
-        for start in range(0, ranks_N.numel(), PACK_CHUNK_ITEMS):
-            bits = ((ranks_N[start : start + PACK_CHUNK_ITEMS, None] >> shifts) & 1).reshape(-1)
-            bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8))
-            chunks.append((bits.reshape(-1, 8) * byte_weights).sum(dim=-1).to(torch.uint8))
-        if not chunks:
-            return torch.empty(0, dtype=torch.uint8, device=sets_NK.device)
-        return torch.cat(chunks)
+        num_items = ranks_N.numel()
+        num_bytes = (num_items * self.bits + 7) // 8
+        # item i occupies bits [i*b, (i+1)*b) of a little-endian stream of int64 words; its low
+        # part goes to word w = i*b // 64 at shift s, its high part (if any) to word w + 1.
+        # The parts of different items never overlap, so adding them is a bitwise OR.
+        offset = torch.arange(num_items, device=ranks_N.device, dtype=torch.int64) * self.bits
+        word, shift = offset // 64, offset % 64
+        words = torch.zeros(num_bytes // 8 + 2, dtype=torch.int64, device=ranks_N.device)
+        words.index_add_(0, word, ranks_N << shift)
+        spill = shift + self.bits > 64
+        high = ranks_N[spill] >> (64 - shift[spill])
+        words.index_add_(0, word[spill] + 1, high)
+        return words.view(torch.uint8)[:num_bytes].clone()
 
     def _unpack(self, data: torch.Tensor, num_items: int) -> torch.Tensor:
         device = data.device
-        shifts8 = torch.arange(8, device=device)
-        value_weights = (1 << torch.arange(self.bits, device=device)).to(torch.int64)
-        chunk_bytes = PACK_CHUNK_ITEMS * self.bits // 8
-        ranks = []
-        for start in range(0, data.numel(), chunk_bytes):
-            bits = (data[start : start + chunk_bytes, None].to(torch.int64) >> shifts8) & 1
-            bits = bits.reshape(-1)
-            count = min(PACK_CHUNK_ITEMS, num_items - len(ranks) * PACK_CHUNK_ITEMS)
-            bits = bits[: count * self.bits].reshape(count, self.bits)
-            ranks.append((bits * value_weights).sum(dim=-1))
-        ranks_N = torch.cat(ranks) if ranks else torch.empty(0, dtype=torch.int64, device=device)
+        padded = torch.zeros((data.numel() // 8 + 2) * 8, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data
+        words = padded.view(torch.int64)
+        offset = torch.arange(num_items, device=device, dtype=torch.int64) * self.bits
+        word, shift = offset // 64, offset % 64
+        all_ones = torch.full_like(shift, -1)
+        # logical right shift of a signed word: clear the sign-extended top ``shift`` bits
+        low_mask = torch.where(shift == 0, all_ones, (1 << (64 - shift).clamp(max=63)) - 1)
+        low = (words[word] >> shift) & low_mask
+        high = torch.where(shift == 0, 0, words[word + 1] << (64 - shift).clamp(max=63))
+        ranks_N = (low | high) & ((1 << self.bits) - 1)
         return self._unrank(ranks_N)
 
     def _unrank(self, ranks_N: torch.Tensor) -> torch.Tensor:

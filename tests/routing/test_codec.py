@@ -60,12 +60,11 @@ def test_encoded_blob_occupies_exactly_nbytes_and_round_trips(dtype):
         assert torch.equal(decoded, routes)  # order preserved
 
 
-def test_packed_round_trip_across_chunk_boundaries(monkeypatch):
-    import megatron_rl.routing.codec as codec_module
-
-    monkeypatch.setattr(codec_module, "PACK_CHUNK_ITEMS", 16)
-    codec = RoutingCodec(60, 4, "packed")
-    routes = random_routes(37, 3, 60, 4, seed=1)  # 111 items: 6 full chunks and a partial one
+@pytest.mark.parametrize(("num_experts", "topk"), [(60, 4), (128, 8), (512, 8), (3, 1)])
+def test_packed_round_trip_across_word_boundaries(num_experts, topk):
+    """Bit widths that straddle int64 words at many offsets (e.g. 41 bits for 128 top-8)."""
+    codec = RoutingCodec(num_experts, topk, "packed")
+    routes = random_routes(97, 3, num_experts, topk, seed=1)
     assert same_sets(codec.decode(codec.encode(routes)), routes)
 
 
