@@ -125,3 +125,20 @@ def test_driver_needs_a_model_built_with_routing_replay(ws1):
         )
     with pytest.raises(ValueError, match="record_only needs mode"):
         ReplayConfig(record_only=True)
+
+
+def test_dense_layers_are_skipped_and_stage_local_layers_are_kept(ws1):
+    from megatron_rl.model import ModelOptions, build_model, preset_config
+    from megatron_rl.routing import RoutingCodec
+
+    config = preset_config("tiny-dense-tied")  # layer 1 dense, layer 2 MoE
+    model = build_model(config, ModelOptions(routing_replay=True))
+    driver = make_driver(model, config, mode="r3")
+    assert driver.layer_numbers == [2] and driver.layer_columns == [0]
+    # a blob covering more MoE layers than this rank holds keeps only this rank's columns
+    codec = RoutingCodec(8, 2, "uint8")
+    routes = torch.stack([torch.randperm(8)[:2] for _ in range(5 * 3)]).reshape(5, 3, 2)
+    driver.layer_columns = [2]  # as a later pipeline stage would hold
+    kept = driver.keep_local_layers(codec.encode(routes))
+    assert kept.num_layers == 1 and torch.equal(codec.decode(kept)[:, 0], routes[:, 2])
+    driver.close()
