@@ -1,0 +1,277 @@
+"""The SGLang HTTP client over real loopback HTTP, against servers that fail on purpose.
+
+What this proves: the client's retry, failover, timeout and bounded-concurrency behaviour, its
+decoding and checking of SGLang-shaped answers (``output_ids``, ``meta_info`` with
+``output_token_logprobs``, ``finish_reason``, ``weight_version``, base64 int32
+``routed_experts``), and that it returns exactly what the in-process engine returns. What it does
+not prove: that a real SGLang server answers in exactly this shape (the loopback server is
+written from SGLang 0.5's ``io_struct.py`` field names, checked below against sglang's own
+dataclasses only when sglang is importable), nor SGLang's own sampling numerics.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+from rollout_testing import PROMPTS, tiny_config
+
+from megatron_rl.rollout import RolloutEngine, SamplingParams
+from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, NoHealthyServerError
+from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+from megatron_rl.rollout.sglang_payload import (
+    GENERATE_FIELDS,
+    SAMPLING_FIELDS,
+    SEED_FIELD,
+    decode_generate,
+    generate_request,
+)
+from megatron_rl.routing import RoutingCodec
+
+PARAMS = SamplingParams(max_new_tokens=4, seed=21)
+N = 2
+
+
+def client_for(servers, **http) -> SGLangEngine:
+    http = {"request_timeout_s": 3.0, "backoff_s": 0.01, "down_s": 0.3, **http}
+    config = SGLangEngineConfig.from_hf_config(
+        tiny_config(), http=HttpPoolConfig(urls=tuple(s.url for s in servers), **http)
+    )
+    return SGLangEngine(config)
+
+
+def assert_same_samples(got, want):
+    assert [(s.prompt_index, s.sample_index) for s in got] == [
+        (s.prompt_index, s.sample_index) for s in want
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert g.response_ids_R.tolist() == w.response_ids_R.tolist()
+        torch.testing.assert_close(g.logprobs_R, w.logprobs_R, atol=1e-5, rtol=0)
+        assert g.finish_reason == w.finish_reason and g.weight_version == w.weight_version
+        if w.routes is not None:
+            assert torch.equal(g.routes.data, w.routes.data)
+
+
+def test_http_client_returns_what_the_in_process_engine_returns(servers, shared_engine):
+    (server,) = servers(1)
+    with client_for([server]) as client:
+        assert isinstance(client, RolloutEngine)
+        got = client.generate(PROMPTS, PARAMS, n=N, return_routed_experts=True)
+        assert client.health().healthy and client.health().weight_version == 0
+        torch.testing.assert_close(client.score(PROMPTS[2]), shared_engine.score(PROMPTS[2]))
+    want = shared_engine.generate(PROMPTS, PARAMS, n=N, return_routed_experts=True)
+    assert_same_samples(got, want)
+    assert got[0].routes.data.dtype == torch.uint8
+
+
+def _fail_first(counts: dict, faults: list[str]):
+    lock = threading.Lock()
+
+    def before(path, payload):
+        if path != "/generate":
+            return None
+        with lock:
+            counts["n"] = counts.get("n", 0) + 1
+            return faults[counts["n"] - 1] if counts["n"] <= len(faults) else None
+
+    return before
+
+
+@pytest.mark.parametrize("faults", [["503", "503"], ["drop"], ["503", "drop", "503"]])
+def test_503_and_dropped_connections_are_retried_without_loss_or_duplicates(
+    servers, shared_engine, faults
+):
+    (server,) = servers(1)
+    server.before_request = _fail_first({}, faults)
+    with client_for([server], down_s=0.0) as client:
+        got = client.generate(PROMPTS, PARAMS, n=N)
+        assert client.pool.retries == len(faults)
+    assert_same_samples(got, shared_engine.generate(PROMPTS, PARAMS, n=N))
+
+
+def test_failover_to_the_healthy_server(servers, shared_engine):
+    bad, good = servers(2)
+    bad.before_request = lambda path, payload: "503" if path == "/generate" else None
+    with client_for([bad, good], down_s=60.0) as client:  # stays down however slow the machine
+        got = client.generate(PROMPTS, PARAMS, n=N)
+        assert client.pool.healthy_urls() == [good.url]
+    assert_same_samples(got, shared_engine.generate(PROMPTS, PARAMS, n=N))
+    assert good.requests.count("/generate") == len(PROMPTS) * N
+
+
+def test_a_stalled_server_times_out_and_the_request_fails_over(servers, shared_engine):
+    stalled, good = servers(2)
+    stalled.stall_s = 60.0
+    stalled.before_request = lambda path, payload: "stall" if path == "/generate" else None
+    start = time.monotonic()
+    with client_for([stalled, good], request_timeout_s=1.0) as client:
+        got = client.generate(PROMPTS, PARAMS, n=N)
+    assert time.monotonic() - start < 45.0  # the stall lasts 60 s
+    assert_same_samples(got, shared_engine.generate(PROMPTS, PARAMS, n=N))
+
+
+def test_a_server_dying_mid_batch_loses_no_sample(servers, shared_engine):
+    dying, good = servers(2)
+    dying.before_request = _fail_first({}, [None, None, "die"])
+    with client_for([dying, good], max_attempts=3) as client:
+        got = client.generate(PROMPTS, PARAMS, n=N)
+    assert_same_samples(got, shared_engine.generate(PROMPTS, PARAMS, n=N))
+    assert not client.health().detail.startswith("2/2")
+
+
+def test_no_healthy_server_is_an_error_not_a_hang(servers):
+    (server,) = servers(1)
+    server.before_request = lambda path, payload: "503"
+    start = time.monotonic()
+    with client_for([server], max_attempts=3) as client:
+        with pytest.raises(NoHealthyServerError, match=r"sample \(prompt 0, sample 0\)|healthy"):
+            client.generate(PROMPTS, PARAMS, n=N)
+        assert not client.health().healthy
+    server.stop()
+    with client_for([server], max_attempts=2) as client, pytest.raises(NoHealthyServerError):
+        client.generate(PROMPTS[:1], PARAMS)
+    assert time.monotonic() - start < 10.0
+
+
+def test_in_flight_requests_are_bounded(servers):
+    (server,) = servers(1)
+    active, peak, lock = [0], [0], threading.Lock()
+    original = server.handle
+
+    def counting(path, payload):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            time.sleep(0.05)
+            return original(path, payload)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    server.handle = counting
+    config = SGLangEngineConfig.from_hf_config(
+        tiny_config(), http=HttpPoolConfig(urls=(server.url,)), max_in_flight=2
+    )
+    with SGLangEngine(config) as client:
+        assert len(client.generate(PROMPTS, PARAMS, n=N)) == len(PROMPTS) * N
+    assert peak[0] == 2
+
+
+def test_client_errors_are_not_retried(servers):
+    (server,) = servers(1)
+    pool = HttpPool(HttpPoolConfig(urls=(server.url,)))
+    with pytest.raises(RuntimeError, match="HTTP 404"):
+        pool.post("/no_such_endpoint", {})
+    assert pool.retries == 0
+
+
+def test_a_bad_answer_names_the_sample_end_to_end(servers):
+    (server,) = servers(1)
+    original = server.handle
+
+    def corrupt(path, payload):
+        status, body = original(path, payload)
+        if path == "/generate" and payload["input_ids"] == PROMPTS[1]:
+            body["meta_info"]["output_token_logprobs"][1][0] = float("nan")
+        return status, body
+
+    server.handle = corrupt
+    with client_for([server]) as client, pytest.raises(RuntimeError, match="prompt 1, sample"):
+        client.generate(PROMPTS, PARAMS, n=N)
+
+
+def _answer(num_prompt: int, num_out: int, layers=2, topk=2) -> dict:
+    routes = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32).repeat(num_prompt + num_out - 1, 1)
+    routes = routes[: (num_prompt + num_out - 1) * layers].reshape(-1, layers, topk)
+    return {
+        "output_ids": list(range(10, 10 + num_out)),
+        "meta_info": {
+            "finish_reason": {"type": "length"},
+            "weight_version": "3",
+            "output_token_logprobs": [[-1.0, 10 + k, None] for k in range(num_out)],
+            "routed_experts": base64.b64encode(routes.numpy().tobytes()).decode(),
+        },
+    }
+
+
+def _decode(body, prompt=(1, 2, 3)):
+    return decode_generate(
+        body, prompt=list(prompt), prompt_index=3, sample_index=1,
+        codec=RoutingCodec(8, 2), num_moe_layers=2,
+    )  # fmt: skip
+
+
+def test_decoding_a_good_answer():
+    sample = _decode(_answer(3, 4))
+    assert sample.weight_version == 3 and sample.routes.num_tokens == 6
+    assert RoutingCodec(8, 2).decode(sample.routes)[0].tolist() == [[0, 1], [2, 3]]
+
+
+def _break(mutate):
+    body = _answer(3, 4)
+    mutate(body)
+    return body
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda b: b.pop("output_ids"), "no output_ids"),
+        (lambda b: b.pop("meta_info"), "no meta_info"),
+        (lambda b: b["meta_info"]["output_token_logprobs"].pop(), "3 output_token_logprobs"),
+        (lambda b: b["meta_info"]["output_token_logprobs"][2].__setitem__(0, float("inf")), "inf"),
+        (lambda b: b["meta_info"]["output_token_logprobs"][0].__setitem__(0, None), "None"),
+        (lambda b: b["meta_info"].pop("routed_experts"), "routed_experts missing"),
+        (lambda b: b["output_ids"].append(99), "output_token_logprobs for 5"),
+        (lambda b: b["meta_info"].__setitem__("weight_version", "v?"), "weight_version"),
+        (lambda b: b["meta_info"]["output_token_logprobs"][1].__setitem__(1, 7), "for token 7"),
+    ],
+)
+def test_bad_answers_name_the_sample(mutate, match):
+    with pytest.raises(RuntimeError, match=f"prompt 3, sample 1.*{match}"):
+        _decode(_break(mutate))
+
+
+def test_wrong_routed_expert_shapes_and_values_name_the_sample():
+    body = _answer(3, 4)
+    short = torch.zeros(5, 2, 2, dtype=torch.int32)  # one row short of 3 + 4 - 1
+    body["meta_info"]["routed_experts"] = base64.b64encode(short.numpy().tobytes()).decode()
+    with pytest.raises(RuntimeError, match=r"prompt 3, sample 1.*expected 6 rows"):
+        _decode(body)
+    out_of_range = torch.tensor([[[0, 9], [1, 2]]] * 6, dtype=torch.int32)
+    body["meta_info"]["routed_experts"] = base64.b64encode(out_of_range.numpy().tobytes()).decode()
+    with pytest.raises(RuntimeError, match=r"prompt 3, sample 1.*expert 9"):
+        _decode(body)
+
+
+def test_request_payload_uses_sglang_field_names():
+    payload = generate_request(
+        [1, 2], PARAMS, prompt_index=0, sample_index=1, rid="r", return_routed_experts=True
+    )
+    assert set(payload) <= set(GENERATE_FIELDS)
+    assert set(payload["sampling_params"]) <= {*SAMPLING_FIELDS, SEED_FIELD}
+    assert payload["sampling_params"]["n"] == 1
+
+
+def test_field_names_match_sglang_dataclasses():
+    io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
+    sampling = pytest.importorskip("sglang.srt.sampling.sampling_params")
+    import inspect
+
+    generate_fields = {f.name for f in dataclasses.fields(io_struct.GenerateReqInput)}
+    assert set(GENERATE_FIELDS) <= generate_fields
+    sampling_args = set(inspect.signature(sampling.SamplingParams.__init__).parameters)
+    assert {*SAMPLING_FIELDS, SEED_FIELD} - {"n"} <= sampling_args
+    for name, fields in [
+        ("UpdateWeightsFromDistributedReqInput", {"names", "dtypes", "shapes", "group_name"}),
+        ("InitWeightsUpdateGroupReqInput", {"master_address", "master_port", "rank_offset"}),
+        ("UpdateWeightsFromTensorReqInput", {"serialized_named_tensors", "load_format"}),
+        ("UpdateWeightFromDiskReqInput", {"model_path", "load_format"}),
+        ("UpdateWeightVersionReqInput", {"new_version"}),
+    ]:
+        assert fields <= {f.name for f in dataclasses.fields(getattr(io_struct, name))}, name
