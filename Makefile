@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: main test lint bench clean
+.PHONY: main report test lint bench clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): setup.py constraints-cpu.txt
 	touch $@
 
 main: $(STAMP)
+	$(PY) -m megatron_rl.train --run-dir runs/main
+
+report: $(STAMP)
 	$(PY) tools/loss_report.py --out runs/loss_report
 
 lint: $(STAMP)

@@ -27,7 +27,11 @@ setup(
         "matplotlib>=3.8",
         "rich>=13",
         "tqdm>=4.66",
+        "math-verify[antlr4_13_2]>=0.9",
+        "pyarrow>=15",
+        "wandb>=0.19",
     ],
+    entry_points={"console_scripts": ["megatron-rl-train = megatron_rl.train.__main__:main"]},
     extras_require={
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff==0.17.6"],
         # Cluster extras. Transformer Engine needs CUDA headers to build; never install on CPU.

@@ -109,12 +109,16 @@ class PolicyOptimizer:
         self.model.zero_grad_buffer()
         (self._megatron or self._torch).zero_grad()
 
-    def step(self) -> float:
-        """Finalise grads (DP/SP/embedding all-reduces), clip, update; returns the grad norm."""
+    def step(self) -> float | None:
+        """Finalise grads (DP/SP/embedding all-reduces), clip, update; returns the grad norm.
+
+        When any gradient is non-finite on any rank, nothing is updated and None is returned
+        (every rank decides the same; the caller zeroes the gradients and logs the skip).
+        """
         finalize_model_grads([self.model])
         if self._megatron is not None:
-            _, grad_norm, _ = self._megatron.step()
-            return float(grad_norm or 0.0)
+            update_successful, grad_norm, _ = self._megatron.step()
+            return float(grad_norm) if update_successful and grad_norm is not None else None
         params = [p for p in self.model.parameters() if p.requires_grad]
         for param in params:
             main_grad = getattr(param, "main_grad", None)
@@ -123,10 +127,14 @@ class PolicyOptimizer:
                     main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
                 )
         grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
+        finite = torch.isfinite(grad_norm).to(torch.float32).reshape(1)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+        if not bool(finite.item()):
+            return None
         if self.config.clip_grad > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad)
         self._torch.step()
         return float(grad_norm)
 

@@ -1,0 +1,14 @@
+"""Reward functions (response text, reference answer) -> float, and batch scoring."""
+
+from megatron_rl.rewards.batch import RewardBatch, RewardFn, compute_rewards
+from megatron_rl.rewards.math_reward import math_reward
+from megatron_rl.rewards.registry import available_rewards, get_reward_fn
+
+__all__ = [
+    "RewardBatch",
+    "RewardFn",
+    "available_rewards",
+    "compute_rewards",
+    "get_reward_fn",
+    "math_reward",
+]

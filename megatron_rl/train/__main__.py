@@ -1,0 +1,24 @@
+"""``python -m megatron_rl.train [flags]``: see ``--help`` and ``megatron_rl/train/config.py``."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from megatron_rl.train.config import parse_args
+from megatron_rl.train.run import run
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_args(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)  # noqa: T201 (the CLI's own error channel)
+        return 2
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Rollout samples -> padded megatron micro-batches with per-token training fields.
+
+A training sample is prompt + response. The model reads ``tokens[:-1]`` of each row and predicts
+``tokens[1:]``; the log-prob of response token ``j`` (absolute position ``P + j``) comes from the
+logits at position ``P + j - 1``. Everything per token below is aligned to *predicted* positions
+``[s - 1]`` of the ``[b, s]`` token rows, with ``loss_mask`` true on response tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.routing import RoutingBlob
+
+
+@dataclass(slots=True)
+class TrainSample:
+    """One sample as the trainer keeps it on its data-parallel rank."""
+
+    prompt_ids: torch.Tensor  # int64 [P]
+    response_ids: torch.Tensor  # int64 [R]
+    rollout_logprobs: torch.Tensor  # float32 [R]
+    advantage: float
+    reward: float
+    in_loss: bool  # False for zero-variance groups when they are filtered
+    routes: RoutingBlob | None = None  # R3: [P + R - 1, L, K]
+
+    @property
+    def length(self) -> int:
+        return self.prompt_ids.numel() + self.response_ids.numel()
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """Padded tensors of one micro-batch (``b`` rows, ``s`` tokens)."""
+
+    tokens_BS: torch.Tensor  # int64 [b, s]
+    loss_mask_BT: torch.Tensor  # bool [b, s - 1]: predicted position is a response token
+    rollout_logprobs_BT: torch.Tensor  # float32 [b, s - 1], 0 outside the mask
+    advantages_B: torch.Tensor  # float32 [b]
+    lengths: list[int]  # tokens of each row (prompt + response)
+    samples: list[TrainSample]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask_BT.sum())
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.loss_mask_BT.any(dim=-1).sum())
+
+
+def make_micro_batch(
+    samples: Sequence[TrainSample], pad_id: int, multiple_of: int = 1
+) -> MicroBatch:
+    """Pad ``samples`` to one ``[b, s]`` micro-batch, ``s`` a multiple of ``multiple_of``.
+
+    ``multiple_of`` is the tensor-parallel size under sequence parallelism (megatron scatters the
+    sequence axis in equal chunks).
+    """
+    if not samples:
+        raise ValueError("a micro-batch needs at least one sample")
+    lengths = [s.length for s in samples]
+    seq = max(lengths)
+    seq += (-seq) % multiple_of
+    batch = len(samples)
+    tokens = torch.full((batch, seq), pad_id, dtype=torch.int64)
+    mask = torch.zeros(batch, seq - 1, dtype=torch.bool)
+    rollout = torch.zeros(batch, seq - 1, dtype=torch.float32)
+    for i, sample in enumerate(samples):
+        p, r = sample.prompt_ids.numel(), sample.response_ids.numel()
+        tokens[i, :p] = sample.prompt_ids
+        tokens[i, p : p + r] = sample.response_ids
+        if sample.in_loss:
+            mask[i, p - 1 : p + r - 1] = True
+        rollout[i, p - 1 : p + r - 1] = sample.rollout_logprobs
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    return MicroBatch(tokens, mask, rollout, advantages, lengths, list(samples))
+
+
+def split(items: Sequence, size: int) -> list[list]:
+    """Consecutive chunks of ``size`` (the last one may be shorter)."""
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]

@@ -1,0 +1,333 @@
+"""Command line -> one validated `TrainConfig`.
+
+Flags follow Megatron-LM's names where Megatron has one (``--tensor-model-parallel-size``,
+``--micro-batch-size``, ``--global-batch-size``, ``--lr``, ``--train-iters``, ``--save``, ...), so
+launch arguments carry over. RL flags are grouped. Every loss hyperparameter of every registered
+loss is a flag (``--clip-high``, ``--c1-pos``, ``--delta-low``, ...); giving one that the chosen
+``--loss`` does not have is an error.
+
+Staleness is explicit: one rollout holds ``rollout_batch_size * n_samples_per_prompt`` samples and
+is consumed by ``N = samples / global_batch_size`` sequential optimizer steps (the VESPO/EPIC
+papers' N = 8 is 8 updates per rollout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_rl.losses import (
+    AGGREGATION_MODES,
+    ROLLOUT_CORRECTIONS,
+    available_losses,
+    get_loss_spec,
+)
+from megatron_rl.losses.kl import KL_ESTIMATORS
+from megatron_rl.routing import CODECS
+from megatron_rl.routing.replay import REPLAY_MODES
+from megatron_rl.train.advantages import ADVANTAGE_ESTIMATORS
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    # model and parallelism
+    model: str = "tiny"  # a preset name or a HF Qwen3-MoE checkpoint folder
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    device: str = "auto"
+    bf16: bool = False
+    recompute_granularity: str | None = None
+    # optimisation
+    train_iters: int = 80  # RL steps, one rollout each
+    micro_batch_size: int = 32
+    global_batch_size: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 1234
+    # RL objective
+    loss: str = "grpo"
+    loss_params: tuple[tuple[str, float | None], ...] = ()
+    loss_agg_mode: str | None = None
+    advantage_estimator: str = "grpo"
+    filter_zero_variance_groups: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    rollout_correction: str = "none"
+    behavior_logprobs: str = "trainer"  # the loss's old log-probs: trainer recompute or engine
+    routing_replay: str = "off"
+    routing_dtype: str = "auto"
+    routing_record_only: bool = False
+    # rollout
+    rollout_engine: str = "local"
+    sglang_url: tuple[str, ...] = ()
+    sglang_return_routed_experts: bool = False
+    weight_sync_transport: str = "distributed"
+    rollout_dtype: str = "float32"
+    rollout_batch_size: int = 16  # prompts per rollout
+    n_samples_per_prompt: int = 8
+    max_response_length: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    # data and reward
+    prompt_data: str | None = None  # None: the built-in task
+    tokenizer: str | None = None
+    max_prompt_length: int | None = None
+    reward: str = "builtin"
+    # output
+    run_dir: str = "runs/latest"
+    save: str | None = None
+    load: str | None = None
+    save_interval: int = 0
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_mode: str = "offline"
+    progress: bool = True
+    max_bad_steps: int = 3  # consecutive non-finite updates before the run stops
+
+    def __post_init__(self) -> None:
+        choices = {
+            "loss": available_losses(),
+            "advantage_estimator": ADVANTAGE_ESTIMATORS,
+            "kl_estimator": KL_ESTIMATORS,
+            "rollout_correction": ("none", *ROLLOUT_CORRECTIONS),
+            "behavior_logprobs": ("trainer", "rollout"),
+            "routing_replay": REPLAY_MODES,
+            "routing_dtype": CODECS,
+            "rollout_engine": ("local", "sglang"),
+            "weight_sync_transport": ("distributed", "tensor", "disk"),
+            "rollout_dtype": ("float32", "bfloat16"),
+            "device": ("auto", "cpu", "cuda"),
+            "wandb_mode": ("offline", "online", "disabled"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"--{_flag(name)}={getattr(self, name)!r}: choose one of {allowed}"
+                )
+        if self.loss_agg_mode is not None and self.loss_agg_mode not in AGGREGATION_MODES:
+            raise ValueError(
+                f"--loss-agg-mode={self.loss_agg_mode!r}: choose one of {AGGREGATION_MODES}"
+            )
+        if self.recompute_granularity not in (None, "full"):
+            raise ValueError("--recompute-granularity: only 'full' is supported")
+        positive = (
+            "tensor_model_parallel_size",
+            "expert_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "train_iters",
+            "micro_batch_size",
+            "global_batch_size",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "max_response_length",
+            "max_bad_steps",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"--{_flag(name)}={value!r}: must be an integer >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"--lr={self.lr}: must be > 0")
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl-coef={self.kl_coef}: must be >= 0")
+        if self.save_interval < 0:
+            raise ValueError(f"--save-interval={self.save_interval}: must be >= 0")
+        self._check_loss_params()
+        self._check_combinations()
+
+    def _check_loss_params(self) -> None:
+        spec = get_loss_spec(self.loss)
+        known = [f.name for f in dataclasses.fields(spec.config_cls)]
+        for name, _ in self.loss_params:
+            if name not in known:
+                theirs = ", ".join(f"--{_flag(k)}" for k in known) or "none"
+                raise ValueError(
+                    f"--{_flag(name)} is not a hyperparameter of --loss {self.loss} (its "
+                    f"hyperparameters: {theirs}); drop the flag or choose the loss that has it"
+                )
+        spec.make_config(dict(self.loss_params))  # value checks of the loss's own config
+
+    def _check_combinations(self) -> None:
+        if self.pipeline_model_parallel_size > 1 or self.context_parallel_size > 1:
+            raise ValueError(
+                "--pipeline-model-parallel-size and --context-parallel-size > 1 are not supported "
+                "by the trainer yet (the model, routing alignment and losses support them; the "
+                "trainer's schedule does not); use tensor/expert/data parallelism"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if self.rollout_engine == "sglang" and not self.sglang_url:
+            raise ValueError("--rollout-engine sglang needs at least one --sglang-url")
+        if (
+            self.routing_replay == "r3"
+            and self.rollout_engine == "sglang"
+            and not self.sglang_return_routed_experts
+        ):
+            raise ValueError(
+                "--routing-replay r3 needs routes from the engine: launch the SGLang servers with "
+                "--enable-return-routed-experts and pass --sglang-return-routed-experts, or use "
+                "--routing-replay r2"
+            )
+        if self.routing_record_only and self.routing_replay == "off":
+            raise ValueError("--routing-record-only needs --routing-replay r2 or r3")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not a multiple of "
+                f"--micro-batch-size {self.micro_batch_size}"
+            )
+        samples = self.samples_per_rollout
+        if samples % self.global_batch_size:
+            raise ValueError(
+                f"a rollout holds --rollout-batch-size x --n-samples-per-prompt = {samples} "
+                f"samples, not a multiple of --global-batch-size {self.global_batch_size}; "
+                "choose them so that N = samples / global batch is an integer"
+            )
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """The staleness ratio N: sequential optimizer steps per rollout."""
+        return self.samples_per_rollout // self.global_batch_size
+
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """World size / model-parallel size, with the checks megatron would fail on later."""
+        dense = self.model_parallel_size() * self.context_parallel_size
+        if world_size % dense or world_size % (
+            self.expert_model_parallel_size * self.pipeline_model_parallel_size
+        ):
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor x pipeline x context = "
+                f"{dense} or by expert x pipeline; change the parallel sizes or the rank count"
+            )
+        dp = world_size // dense
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} is not divisible by "
+                f"--micro-batch-size x data-parallel size = {self.micro_batch_size} x {dp}"
+            )
+        if self.rollout_batch_size % dp:
+            raise ValueError(
+                f"--rollout-batch-size {self.rollout_batch_size} prompts do not split over "
+                f"{dp} data-parallel ranks (each rank keeps whole groups)"
+            )
+        return dp
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _loss_hyperparameters() -> dict[str, type]:
+    """Every hyperparameter name of every registered loss (flag name -> field type)."""
+    out: dict[str, type] = {}
+    for name in available_losses():
+        for f in dataclasses.fields(get_loss_spec(name).config_cls):
+            out.setdefault(f.name, f.type)
+    return out
+
+
+def _optional_float(text: str) -> float | None:
+    return None if text.lower() == "none" else float(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_rl.train",
+        description="RL post-training of a Qwen3-MoE policy on megatron-core.",
+    )
+
+    def add(group, name: str, **kwargs):
+        dest = name.replace("-", "_")
+        if kwargs.get("action") not in ("store_true", "append"):
+            kwargs.setdefault("type", type(getattr(defaults, dest)))
+        group.add_argument(f"--{name}", dest=dest, default=getattr(defaults, dest), **kwargs)
+
+    g = parser.add_argument_group("model and parallelism (Megatron names)")
+    add(g, "model", help="preset (tiny, tiny-dense-tied, qwen3-30b-a3b) or HF checkpoint folder")
+    for name in ("tensor", "expert", "pipeline"):
+        add(g, f"{name}-model-parallel-size")
+    add(g, "context-parallel-size")
+    add(g, "sequence-parallel", action="store_true")
+    add(g, "device", choices=("auto", "cpu", "cuda"))
+    add(g, "bf16", action="store_true")
+    add(g, "recompute-granularity", type=str, choices=("full",))
+
+    g = parser.add_argument_group("optimisation (Megatron names)")
+    for name in ("train-iters", "micro-batch-size", "global-batch-size", "seed"):
+        add(g, name)
+    for name in ("lr", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "adam-eps"):
+        add(g, name)
+
+    g = parser.add_argument_group("RL objective")
+    add(g, "loss", choices=available_losses())
+    add(g, "loss-agg-mode", type=str, choices=AGGREGATION_MODES)
+    add(g, "advantage-estimator", choices=ADVANTAGE_ESTIMATORS)
+    add(g, "filter-zero-variance-groups", action="store_true")
+    add(g, "kl-coef")
+    add(g, "kl-estimator", choices=KL_ESTIMATORS)
+    add(g, "rollout-correction", choices=("none", *ROLLOUT_CORRECTIONS))
+    add(g, "behavior-logprobs", choices=("trainer", "rollout"))
+    add(g, "routing-replay", choices=REPLAY_MODES)
+    add(g, "routing-dtype", choices=CODECS)
+    add(g, "routing-record-only", action="store_true")
+    h = parser.add_argument_group("loss hyperparameters (each belongs to some --loss)")
+    for name in _loss_hyperparameters():
+        h.add_argument(f"--{_flag(name)}", dest=f"lossparam_{name}", type=_optional_float)
+
+    g = parser.add_argument_group("rollout")
+    add(g, "rollout-engine", choices=("local", "sglang"))
+    g.add_argument("--sglang-url", dest="sglang_url", action="append", default=[])
+    add(g, "sglang-return-routed-experts", action="store_true")
+    add(g, "weight-sync-transport", choices=("distributed", "tensor", "disk"))
+    add(g, "rollout-dtype", choices=("float32", "bfloat16"))
+    for name in ("rollout-batch-size", "n-samples-per-prompt", "max-response-length"):
+        add(g, name)
+    for name in ("temperature", "top-p", "top-k"):
+        add(g, name)
+
+    g = parser.add_argument_group("data and reward")
+    add(g, "prompt-data", type=str, help="JSONL/Parquet prompts; default: the built-in task")
+    add(g, "tokenizer", type=str, help="HF tokenizer folder (default: the --model folder)")
+    add(g, "max-prompt-length", type=int)
+    add(g, "reward", help="builtin, math, or module:function")
+
+    g = parser.add_argument_group("output")
+    for name in ("run-dir", "wandb-mode"):
+        add(g, name)
+    for name in ("save", "load", "wandb-project", "wandb-exp-name"):
+        add(g, name, type=str)
+    add(g, "save-interval")
+    g.add_argument("--no-progress", dest="progress", action="store_false")
+    add(g, "max-bad-steps")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Parse and validate; a bad combination is a ``ValueError`` naming the flags."""
+    namespace = vars(build_parser().parse_args(argv))
+    loss_params = tuple(
+        (key.removeprefix("lossparam_"), value)
+        for key, value in sorted(namespace.items())
+        if key.startswith("lossparam_") and value is not None
+    )
+    kwargs = {k: v for k, v in namespace.items() if not k.startswith("lossparam_")}
+    kwargs["sglang_url"] = tuple(kwargs["sglang_url"])
+    return TrainConfig(loss_params=loss_params, **kwargs)

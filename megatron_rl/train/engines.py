@@ -1,0 +1,27 @@
+"""Which rollout engine the trainer drives, from configuration only."""
+
+from __future__ import annotations
+
+from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig
+from megatron_rl.rollout.http_pool import HttpPoolConfig
+from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+from megatron_rl.rollout.weight_sync import WeightSyncConfig
+from megatron_rl.train.config import TrainConfig
+
+
+def build_engine(config: TrainConfig, hf_config, pad_token_id: int, seed: int):
+    """The in-process engine (embedded default) or the SGLang client (clusters)."""
+    if config.rollout_engine == "local":
+        engine_config = InProcessEngineConfig(
+            dtype=config.rollout_dtype,
+            routing_codec=config.routing_dtype,
+            pad_token_id=pad_token_id,
+        )
+        return InProcessEngine.from_hf_config(hf_config, engine_config, seed=seed)
+    engine_config = SGLangEngineConfig.from_hf_config(
+        hf_config,
+        http=HttpPoolConfig(urls=config.sglang_url),
+        routing_codec=config.routing_dtype,
+        sync=WeightSyncConfig(transport=config.weight_sync_transport),
+    )
+    return SGLangEngine(engine_config)

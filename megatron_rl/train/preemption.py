@@ -1,0 +1,84 @@
+"""Graceful stop on SIGTERM/SIGUSR1: the run saves a checkpoint at a step boundary and exits.
+
+Schedulers (SLURM, Kubernetes) send SIGTERM, or SIGUSR1 with ``--signal``, some time before
+killing a job. The handler only sets a flag; the run loop polls `PreemptionHandler.agreed` once
+per step, which all-reduces the flag (MAX) so that every rank stops after the same step even when
+the signal reached only some of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionHandler:
+    """Context manager: installs the signal handlers on entry, restores the previous ones on exit.
+
+    Outside the main thread (where Python cannot install handlers) it only serves `request`.
+    """
+
+    def __init__(self, signals: Iterable[signal.Signals] = DEFAULT_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self._requested = False
+        self._received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        """Whether this rank received a signal or `request` was called."""
+        return self._requested
+
+    def request(self) -> None:
+        """Ask for a stop at the next step boundary (tests, programmatic stops)."""
+        self._requested = True
+
+    def agreed(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Whether any rank of ``group`` (default: all) asked to stop. Collective when distributed.
+
+        Every rank of the group must call it at the same point of the loop.
+        """
+        flag = self._requested
+        if dist.is_available() and dist.is_initialized():
+            device = "cpu"
+            if dist.get_backend(group) == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+            flag = bool(value.item())
+        if flag and not self._requested:
+            logger.warning("another rank received a stop signal; stopping at this step")
+        elif flag and self._received is not None:
+            logger.warning("received %s; stopping at this step", self._received.name)
+            self._received = None  # warn once
+        self._requested = self._requested or flag
+        return flag
+
+    def _handle(self, signum: int, frame: object) -> None:
+        del frame
+        # Only set flags: logging from a signal handler can re-enter a held handler lock.
+        self._received = signal.Signals(signum)
+        self._requested = True
+
+    def __enter__(self) -> PreemptionHandler:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not the main thread: stop signals are not handled, only request()")
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():
+            # None: the old handler was not installed from Python; the default is the best guess.
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()

@@ -1,0 +1,297 @@
+"""Per-step metrics to ``run_dir/metrics.jsonl``, to wandb, and to a console progress line.
+
+Only the main rank logs (the trainer reduces metrics over ranks first). Each `RunLogger.log` call
+appends one flushed JSON line ``{"step": ..., **metrics}``; values that are not finite are
+written as ``null`` and logged as a warning naming the metric, so a NaN never passes silently.
+Resuming at ``initial_step`` drops the lines logged after that checkpoint, so the file holds
+every step once. `plot_learning_curve` draws chosen metrics from the file with matplotlib's Agg
+canvas (no pyplot, no global backend change).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import tempfile
+import uuid
+from typing import Any
+
+import torch
+
+from megatron_rl.model.conversion.safetensors_io import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+RUN_CONFIG_FILE = "run_config.json"
+WANDB_ID_FILE = "wandb_run_id"
+_WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunLoggerConfig:
+    """Where metrics go. ``wandb_project=None`` or ``wandb_mode="disabled"`` turns wandb off."""
+
+    run_dir: str
+    total_steps: int
+    wandb_project: str | None = None
+    wandb_mode: str = "offline"
+    wandb_run_name: str | None = None
+    headline: tuple[str, ...] = ("reward/mean", "accuracy", "response_length/mean", "time/step")
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.run_dir:
+            raise ValueError("RunLoggerConfig.run_dir='': give the folder for metrics.jsonl")
+        if not isinstance(self.total_steps, int) or self.total_steps < 0:
+            raise ValueError(f"RunLoggerConfig.total_steps={self.total_steps!r}: must be int >= 0")
+        if self.wandb_mode not in _WANDB_MODES:
+            raise ValueError(
+                f"RunLoggerConfig.wandb_mode={self.wandb_mode!r}: must be one of {_WANDB_MODES}"
+            )
+        if isinstance(self.headline, str) or not all(isinstance(k, str) for k in self.headline):
+            raise ValueError(
+                f"RunLoggerConfig.headline={self.headline!r}: must be a tuple of metric names"
+            )
+
+
+class RunLogger:
+    """Metrics sink for one run; use as a context manager (or call `close`)."""
+
+    def __init__(
+        self,
+        config: RunLoggerConfig,
+        *,
+        run_config: dict | None = None,
+        is_main: bool = True,
+        initial_step: int = 0,
+    ) -> None:
+        self.config = config
+        self.is_main = is_main
+        self.path = os.path.join(config.run_dir, METRICS_FILE)
+        self._file = None
+        self._wandb_run = None
+        self._progress: _Progress | None = None
+        if not is_main:
+            return
+        os.makedirs(config.run_dir, exist_ok=True)
+        _drop_lines_after(self.path, initial_step)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if run_config is not None:
+            text = json.dumps(run_config, indent=2, sort_keys=True, default=str)
+            atomic_write_text(os.path.join(config.run_dir, RUN_CONFIG_FILE), text)
+        self._wandb_run = _init_wandb(config, run_config, resuming=initial_step > 0)
+        if config.show_progress:
+            self._progress = _Progress(config, initial_step)
+
+    def log(self, step: int, metrics: dict[str, float | int | torch.Tensor]) -> None:
+        """Append ``{"step": step, **metrics}`` to the JSONL file, wandb and the progress line.
+
+        Values are Python numbers, numpy scalars or one-element tensors (``.item()`` is taken).
+        """
+        if not self.is_main:
+            return
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step={step!r}: must be an int >= 0")
+        if self._file is None:
+            raise RuntimeError(f"RunLogger for {self.config.run_dir} is closed")
+        numbers = {key: _to_number(key, value) for key, value in metrics.items()}
+        if numbers.pop("step", step) != step:
+            raise ValueError(f"metrics['step']={metrics['step']!r} differs from step={step}")
+        record: dict[str, Any] = {"step": step}
+        for key, number in numbers.items():
+            if math.isfinite(number):
+                record[key] = number
+            else:
+                logger.warning("metric %r is %s at step %d; written as null", key, number, step)
+                record[key] = None
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(numbers, step=step)
+        if self._progress is not None:
+            self._progress.update(step, record)
+
+    def close(self) -> None:
+        """Flush and close the file, finish the wandb run, stop the progress bar (idempotent)."""
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a metrics.jsonl file; an unparsable line (a crash mid-write) is skipped."""
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                logger.warning(
+                    "%s:%d is not valid JSON (interrupted write?); skipped", path, number
+                )
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+    return records
+
+
+def plot_learning_curve(
+    metrics_jsonl: str, png_path: str, keys: tuple[str, ...] = ("accuracy", "reward/mean")
+) -> str:
+    """One panel per metric of ``keys`` found in the file, against the step; returns png_path.
+
+    Metrics absent from the file are left out; ValueError when none of ``keys`` is present.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = read_metrics(metrics_jsonl)
+    present = [k for k in keys if any(r.get(k) is not None for r in records)]
+    if not present:
+        available = sorted({k for r in records for k in r} - {"step"})
+        raise ValueError(f"none of {list(keys)} is in {metrics_jsonl}; it has {available}")
+    figure = Figure(figsize=(6.4, 2.4 * len(present) + 0.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(present), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, key in zip(axes, present, strict=True):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        ax.plot(*zip(*points, strict=True), marker="." if len(points) <= 60 else None)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    figure.suptitle(os.path.basename(os.path.dirname(os.path.abspath(metrics_jsonl))))
+    folder = os.path.dirname(png_path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=folder)
+    os.close(fd)
+    try:
+        figure.savefig(tmp, format="png", dpi=110)
+        os.replace(tmp, png_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return png_path
+
+
+def _to_number(key: str, value: Any) -> float | int:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"metric {key!r}: tensor of shape {tuple(value.shape)}; log a scalar")
+        value = value.item()
+    elif hasattr(value, "item") and getattr(value, "shape", None) == ():  # numpy scalar
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int | float):
+        return value
+    raise ValueError(f"metric {key!r}: {type(value).__name__} is not a number")
+
+
+def _drop_lines_after(path: str, initial_step: int) -> None:
+    """Keep the lines with 0 < ... step <= initial_step; a fresh run (0) starts an empty file."""
+    if not os.path.exists(path):
+        return
+    if initial_step <= 0:
+        atomic_write_text(path, "")
+        return
+    kept = [r for r in read_metrics(path) if r["step"] <= initial_step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _init_wandb(config: RunLoggerConfig, run_config: dict | None, *, resuming: bool):
+    """A wandb run in ``run_dir/wandb``; a resumed run continues the id saved in run_dir."""
+    if config.wandb_project is None or config.wandb_mode == "disabled":
+        return None
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError(
+            f"RunLoggerConfig.wandb_project={config.wandb_project!r} needs wandb: "
+            "pip install 'wandb>=0.19', or set wandb_project=None"
+        ) from exc
+    id_path = os.path.join(config.run_dir, WANDB_ID_FILE)
+    run_id = None
+    if resuming and os.path.exists(id_path):
+        with open(id_path, encoding="utf-8") as handle:
+            run_id = handle.read().strip() or None
+    run_id = run_id or uuid.uuid4().hex[:12]  # wandb ids: [a-z0-9]; no wandb-private helper
+    atomic_write_text(id_path, run_id)
+    return wandb.init(
+        project=config.wandb_project,
+        name=config.wandb_run_name,
+        id=run_id,
+        resume="allow",
+        dir=config.run_dir,
+        mode=config.wandb_mode,
+        config=run_config,
+    )
+
+
+class _Progress:
+    """A rich progress bar on a terminal; one log line per step when stdout is not a TTY (CI)."""
+
+    def __init__(self, config: RunLoggerConfig, initial_step: int) -> None:
+        from rich.console import Console
+
+        self.config = config
+        self._bar = None
+        console = Console()
+        if console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[headline]}"),
+                console=console,
+            )
+            self._task = self._bar.add_task(
+                "train", total=config.total_steps, completed=initial_step, headline=""
+            )
+            self._bar.start()
+
+    def headline(self, record: dict) -> str:
+        parts = []
+        for key in self.config.headline:
+            if key in record:
+                value = record[key]
+                parts.append(f"{key}={'nan' if value is None else format(value, '.4g')}")
+        return "  ".join(parts)
+
+    def update(self, step: int, record: dict) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, headline=self.headline(record))
+        else:
+            logger.info("step %d/%d  %s", step, self.config.total_steps, self.headline(record))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,77 @@
+"""Bad configurations fail before any model is built, naming the flags and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.train.__main__ import main
+from megatron_rl.train.config import TrainConfig, parse_args
+
+
+def test_megatron_flag_names_and_rl_flags_parse_into_one_config():
+    config = parse_args(
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--micro-batch-size",
+            "4",
+            "--global-batch-size",
+            "16",
+            "--lr",
+            "1e-5",
+            "--loss",
+            "epic",
+            "--delta-high",
+            "3e-3",
+            "--routing-replay",
+            "r2",
+            "--routing-dtype",
+            "packed",
+            "--rollout-batch-size",
+            "8",
+            "--n-samples-per-prompt",
+            "8",
+            "--kl-coef",
+            "0.001",
+        ]
+    )
+    assert config.tensor_model_parallel_size == 2 and config.sequence_parallel
+    assert config.loss_params == (("delta_high", 3e-3),)
+    assert config.updates_per_rollout == 4  # 64 samples / global batch 16
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--loss", "grpo", "--c1-pos", "2"], "--c1-pos is not a hyperparameter of --loss grpo"),
+        (["--loss", "vespo", "--c1-pos", "-1"], "c1_pos must be a finite number > 0"),
+        (["--global-batch-size", "48"], "not a multiple of --micro-batch-size 32"),
+        (["--rollout-batch-size", "5"], "40 samples, not a multiple of --global-batch-size 64"),
+        (["--routing-record-only"], "--routing-record-only needs --routing-replay r2 or r3"),
+        (["--rollout-engine", "sglang"], "needs at least one --sglang-url"),
+        (
+            ["--routing-replay", "r3", "--rollout-engine", "sglang", "--sglang-url", "http://h:1"],
+            "--enable-return-routed-experts",
+        ),
+        (["--pipeline-model-parallel-size", "2"], "not supported by the trainer yet"),
+        (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (["--lr", "0"], "--lr=0.0: must be > 0"),
+    ],
+)
+def test_bad_combinations_name_the_flags(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(argv)
+
+
+def test_world_size_and_batch_divisibility_are_checked_before_building():
+    config = TrainConfig(tensor_model_parallel_size=2, global_batch_size=64, micro_batch_size=32)
+    with pytest.raises(ValueError, match="world size 3 is not divisible"):
+        config.data_parallel_size(3)
+    with pytest.raises(ValueError, match="micro-batch-size x data-parallel size = 32 x 4"):
+        config.data_parallel_size(8)
+
+
+def test_cli_reports_bad_flags_with_exit_code_2(capsys):
+    assert main(["--loss", "grpo", "--tau-pos", "1.0"]) == 2
+    assert "--tau-pos is not a hyperparameter of --loss grpo" in capsys.readouterr().err

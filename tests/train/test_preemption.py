@@ -1,0 +1,88 @@
+"""Stop signals set a flag that every rank agrees on; the old handlers come back on exit."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from megatron_rl.train.preemption import PreemptionHandler
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_sets_flag_instead_of_killing_the_process(sig):
+    with PreemptionHandler() as handler:
+        assert not handler.requested and not handler.agreed()
+        os.kill(os.getpid(), sig)
+        assert handler.requested
+        assert handler.agreed()
+
+
+def test_previous_handlers_are_restored_on_exit():
+    calls = []
+
+    def previous(signum, frame):
+        calls.append(signum)
+
+    old_term = signal.signal(signal.SIGTERM, previous)
+    old_usr1 = signal.getsignal(signal.SIGUSR1)
+    try:
+        with PreemptionHandler():
+            assert signal.getsignal(signal.SIGTERM) is not previous
+        assert signal.getsignal(signal.SIGTERM) is previous
+        assert signal.getsignal(signal.SIGUSR1) == old_usr1
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert calls == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def test_request_without_signal_and_outside_main_thread():
+    result = {}
+
+    def body():
+        with PreemptionHandler() as handler:
+            result["before"] = handler.requested
+            handler.request()
+            result["after"] = handler.agreed()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert result == {"before": False, "after": True}
+
+
+def _agree_worker(rank, world_size, init_method, tmp_dir):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        handler = PreemptionHandler()
+        first = handler.agreed()
+        if rank == 1:
+            handler.request()
+        second = handler.agreed()
+        with open(os.path.join(tmp_dir, f"agreed{rank}.txt"), "w") as out:
+            out.write(f"{first} {second} {handler.requested}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_stop_requested_on_one_rank_is_agreed_by_all(tmp_path):
+    # fork: the workers only run gloo collectives on 1-element tensors, and start in ms.
+    context = multiprocessing.get_context("fork")
+    init_method = f"file://{tmp_path}/rendezvous"
+    workers = [
+        context.Process(target=_agree_worker, args=(rank, 2, init_method, str(tmp_path)))
+        for rank in range(2)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert [w.exitcode for w in workers] == [0, 0]
+    for rank in range(2):
+        assert (tmp_path / f"agreed{rank}.txt").read_text() == "False True True"

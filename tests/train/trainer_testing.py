@@ -1,0 +1,28 @@
+"""Helpers for the trainer tests: small embedded configurations and a file rendezvous."""
+
+from __future__ import annotations
+
+from megatron_rl.train.config import TrainConfig
+
+
+def small_config(tmp_path, **overrides) -> TrainConfig:
+    """The embedded default, shrunk: 4 prompts x 4 samples, N = 2 updates of 8 samples."""
+    values = dict(
+        model="tiny",
+        device="cpu",
+        train_iters=2,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        global_batch_size=8,
+        micro_batch_size=4,
+        max_response_length=3,
+        run_dir=str(tmp_path / "run"),
+        progress=False,
+        seed=7,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def rendezvous(tmp_path, name: str = "rdzv") -> dict:
+    return {"rank": 0, "world_size": 1, "init_method": f"file://{tmp_path}/{name}"}
