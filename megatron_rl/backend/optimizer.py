@@ -102,6 +102,11 @@ class PolicyOptimizer:
         logger.info("optimizer: %s", "megatron distributed Adam" if self._megatron else "AdamW")
 
     @property
+    def inner(self):
+        """The optimizer doing the update: megatron's (GPU) or ``torch.optim.AdamW`` (CPU)."""
+        return self._megatron or self._torch
+
+    @property
     def param_groups(self) -> list[dict]:
         return (self._megatron or self._torch).param_groups
 

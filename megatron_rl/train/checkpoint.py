@@ -23,16 +23,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
 import time
-from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_rl.model.conversion.safetensors_io import atomic_write_text
+from megatron_rl.train.optimizer_state import (
+    load_optimizer_state,
+    optimizer_difference,
+    optimizer_state,
+)
+from megatron_rl.train.rng_state import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +84,9 @@ def save_training_state(
         header = {"format_version": FORMAT_VERSION, "layout": _layout(), "coords": _coords()}
         num_bytes = _save(dict(header, model=model.state_dict()), staging, "model", rank)
         num_bytes += _save(
-            dict(header, optimizer=_optimizer_state(optimizer)), staging, "optim", rank
+            dict(header, optimizer=optimizer_state(optimizer)), staging, "optim", rank
         )
-        num_bytes += _save(dict(header, rng=_rng_state()), staging, "rng", rank)
+        num_bytes += _save(dict(header, rng=capture_rng_state()), staging, "rng", rank)
     except Exception as exc:  # reported to every rank below, so no rank waits forever
         error = exc
     _raise_if_any_rank_failed(error, f"writing step {step} under {staging}")
@@ -158,7 +161,7 @@ def load_training_state(load_dir: str, *, model, optimizer, step: int | None = N
                 )
             problem = _layout_difference(shards["model"]["coords"], _coords(), folder)
             problem = problem or _model_difference(shards["model"]["model"], model.state_dict())
-            problem = problem or _optimizer_difference(shards["optim"]["optimizer"], optimizer)
+            problem = problem or optimizer_difference(shards["optim"]["optimizer"], optimizer)
             with open(os.path.join(folder, RL_STATE_FILE), encoding="utf-8") as handle:
                 rl_state = json.load(handle)
     except (OSError, KeyError, RuntimeError, ValueError) as exc:
@@ -166,8 +169,8 @@ def load_training_state(load_dir: str, *, model, optimizer, step: int | None = N
     if _any_rank(problem is not None):
         raise ValueError(problem or f"{folder}: another rank's shard does not match; see its error")
     model.load_state_dict(shards["model"]["model"], strict=True)
-    _load_optimizer_state(optimizer, shards["optim"]["optimizer"])
-    _set_rng_state(shards["rng"]["rng"])
+    load_optimizer_state(optimizer, shards["optim"]["optimizer"])
+    restore_rng_state(shards["rng"]["rng"])
     logger.info("loaded step %d from %s", step, folder)
     return rl_state
 
@@ -353,110 +356,3 @@ def _model_difference(saved: dict, current: dict) -> str | None:
             want = (tuple(tensor.shape), tensor.dtype)
             return f"tensor {name}: checkpoint has {got}, model has {want}"
     return None
-
-
-def _inner_optimizers(optimizer) -> list:
-    """The optimizers whose state is saved: megatron's (each chained one) or torch's."""
-    inner = getattr(optimizer, "_megatron", None) or getattr(optimizer, "_torch", None)
-    inner = inner or optimizer
-    return list(getattr(inner, "chained_optimizers", [inner]))
-
-
-def _optimizer_state(optimizer) -> list[dict]:
-    states = []
-    for inner in _inner_optimizers(optimizer):
-        state = {"state_dict": inner.state_dict()}
-        if hasattr(inner, "get_parameter_state_dp_reshardable"):  # megatron distributed optimizer
-            state["param_state"] = inner.get_parameter_state_dp_reshardable()
-        states.append(state)
-    return states
-
-
-def _optimizer_difference(saved: list[dict], optimizer) -> str | None:
-    inners = _inner_optimizers(optimizer)
-    if len(saved) != len(inners):
-        return f"checkpoint has {len(saved)} optimizers, this job has {len(inners)}"
-    for index, (state, inner) in enumerate(zip(saved, inners, strict=True)):
-        if "param_state" in state:
-            if state["param_state"]["per_bucket_numel_unpadded"] != inner.per_bucket_numel_unpadded:
-                return (
-                    f"optimizer {index}: distributed-optimizer buckets differ from the checkpoint"
-                )
-            continue
-        groups = [g["params"] for g in inner.param_groups]
-        saved_groups = state["state_dict"].get("param_groups", [])
-        if [len(g) for g in groups] != [len(g.get("params", ())) for g in saved_groups]:
-            return f"optimizer {index}: parameter groups differ from the checkpoint's"
-        params = [p for group in groups for p in group]
-        for param_id, param_state in state["state_dict"].get("state", {}).items():
-            for key, value in param_state.items():
-                if torch.is_tensor(value) and value.dim() and value.shape != params[param_id].shape:
-                    return (
-                        f"optimizer {index}: {key} of parameter #{param_id} has shape "
-                        f"{tuple(value.shape)}, the parameter {tuple(params[param_id].shape)}"
-                    )
-    return None
-
-
-def _load_optimizer_state(optimizer, saved: list[dict]) -> None:
-    for state, inner in zip(saved, _inner_optimizers(optimizer), strict=True):
-        inner.load_state_dict(state["state_dict"])
-        if "param_state" in state:
-            inner.load_parameter_state_from_dp_reshardable(state["param_state"])
-
-
-def _rng_tracker():
-    if _parallel_state() is None:
-        return None
-    from megatron.core import tensor_parallel
-
-    tracker = tensor_parallel.get_cuda_rng_tracker()
-    return tracker if tracker.is_initialized() else None
-
-
-def _rng_state() -> dict[str, Any]:
-    _, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "torch_cpu": torch.get_rng_state(),
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-        "numpy": {
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    tracker = _rng_tracker()
-    if tracker is not None:
-        tracker_states = tracker.get_states()
-        skipped = [k for k, v in tracker_states.items() if not torch.is_tensor(v)]
-        if skipped:
-            logger.warning("RNG tracker states %s are not tensors and are not saved", skipped)
-        state["tracker"] = {k: v.clone() for k, v in tracker_states.items() if torch.is_tensor(v)}
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch_cpu"])
-    python = state["python"]
-    random.setstate((python["version"], tuple(python["internal"]), python["gauss_next"]))
-    numpy = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            numpy["keys"].numpy().astype(np.uint32),
-            numpy["pos"],
-            numpy["has_gauss"],
-            numpy["cached_gaussian"],
-        )
-    )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    tracker = _rng_tracker()
-    if tracker is not None and "tracker" in state:
-        current = tracker.get_states()
-        current.update({k: v.clone() for k, v in state["tracker"].items()})
-        tracker.set_states(current)
