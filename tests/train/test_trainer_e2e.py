@@ -155,3 +155,22 @@ def test_two_gloo_ranks_train_together(tmp_path, overrides):
     assert results[0] == results[1]  # metrics are averaged over ranks: every rank reports them
     assert results[0]["grad_norm"] > 0
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
+
+
+def test_non_finite_updates_are_skipped_then_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
+    import megatron_rl.train.trainer as trainer_module
+    from megatron_rl.train.run import TrainingStopped
+
+    real = trainer_module.token_logprobs
+
+    def poisoned(logits, tokens, temperature=1.0):
+        out = real(logits, tokens, temperature)
+        return out * float("nan") if torch.is_grad_enabled() else out  # only the updates
+
+    monkeypatch.setattr(trainer_module, "token_logprobs", poisoned)
+    config = small_config(tmp_path, train_iters=10, max_bad_steps=3, save=str(tmp_path / "ckpt"))
+    with pytest.raises(TrainingStopped, match="4 consecutive updates had non-finite"):
+        run(config, **rendezvous(tmp_path))
+    rows = _metrics(tmp_path)
+    assert rows[0]["update/skipped_nonfinite"] == 2.0  # N = 2 updates per step, both skipped
+    assert int((tmp_path / "ckpt" / "latest").read_text()) == len(rows) == 2
