@@ -5,12 +5,9 @@ sequence parallelism, EP=2), also after perturbing megatron's routers."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "model"))
 from qwen3_moe_testing import make_hf_checkpoint, spawn_ranks, tiny_config
 from replay_testing import chosen_experts, logits_of, make_driver, perturb_routers
 

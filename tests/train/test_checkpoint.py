@@ -9,12 +9,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from qwen3_moe_testing import spawn_ranks
 from train_state_testing import (
     adam_state,
     build_tiny,
     expert_parallel_worker,
     same_tensors,
-    spawn_ranks,
     train_steps,
     weights,
 )

@@ -8,7 +8,6 @@ process groups down.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,24 +54,6 @@ def adam_state(optimizer) -> list[dict[str, torch.Tensor]]:
 
 def same_tensors(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def spawn_ranks(worker: Callable, tmp_path, world_size: int, *args) -> None:
-    """Run ``worker(rank, world_size, init_method, tmp_dir, *args)`` on ``world_size`` ranks."""
-    init_method = f"file://{os.path.join(str(tmp_path), 'rendezvous')}"
-    torch.multiprocessing.spawn(
-        _run_rank, args=(worker, world_size, init_method, str(tmp_path), args), nprocs=world_size
-    )
-
-
-def _run_rank(rank, worker, world_size, init_method, tmp_dir, args) -> None:
-    torch.set_num_threads(1)
-    from megatron_rl.backend import destroy_distributed
-
-    try:
-        worker(rank, world_size, init_method, tmp_dir, *args)
-    finally:
-        destroy_distributed()
 
 
 def expert_parallel_worker(rank, world_size, init_method, tmp_dir) -> None:
