@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
 from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig
 from megatron_rl.rollout.http_pool import HttpPoolConfig
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
@@ -18,10 +22,15 @@ def build_engine(config: TrainConfig, hf_config, pad_token_id: int, seed: int):
             pad_token_id=pad_token_id,
         )
         return InProcessEngine.from_hf_config(hf_config, engine_config, seed=seed)
+    sync = WeightSyncConfig(
+        transport=config.weight_sync_transport,
+        disk_dir=os.path.join(config.run_dir, "weight_sync"),  # used by the disk transport
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+    )
     engine_config = SGLangEngineConfig.from_hf_config(
         hf_config,
         http=HttpPoolConfig(urls=config.sglang_url),
         routing_codec=config.routing_dtype,
-        sync=WeightSyncConfig(transport=config.weight_sync_transport),
+        sync=sync,
     )
     return SGLangEngine(engine_config)

@@ -93,7 +93,7 @@ class Trainer:
         self.loss_params = dict(config.loss_params)
         self.step_index = 0
         self.weight_version = 0
-        self.sync_weights()
+        self.sync_weights(version=0)
 
     # ------------------------------------------------------------------ phases
     def step(self) -> dict[str, float]:
@@ -116,7 +116,7 @@ class Trainer:
             self._update(j, minibatch, behaviour[j], metrics)
         timings["time/update"] = time.perf_counter() - t
         t = time.perf_counter()
-        self.sync_weights()
+        self.sync_weights(version=self.weight_version + 1)
         timings["time/sync"] = time.perf_counter() - t
         if self.replay is not None:
             metrics.update(self.replay.metrics())
@@ -301,9 +301,8 @@ class Trainer:
         reference.eval().requires_grad_(False)
         return reference
 
-    def sync_weights(self) -> None:
-        """Push the policy to the engine as a new weight version (every rank streams its shard)."""
-        version = self.weight_version + (1 if self.step_index > 0 else 0)
+    def sync_weights(self, version: int) -> None:
+        """Push the policy to the engine as weight ``version`` (every rank streams its shard)."""
         stream = iter_hf_tensors(self.model.module, self.hf_config)
         pushes = self.engine is not None and (
             self.config.rollout_engine == "local" or dist.get_rank() == 0
@@ -326,10 +325,10 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.step_index = int(state["step"])
-        self.weight_version = int(state["weight_version"]) - 1
         self.sampler.load_state_dict(state["sampler"])
         self._bad_steps = int(state.get("bad_steps", 0))
-        self.sync_weights()  # the engine gets the restored weights under their version
+        # the engine gets the restored weights under their version
+        self.sync_weights(version=int(state["weight_version"]))
 
     _bad_steps = 0
 
