@@ -70,6 +70,7 @@ class TrainConfig:
     sglang_url: tuple[str, ...] = ()
     sglang_return_routed_experts: bool = False
     weight_sync_transport: str = "distributed"
+    sglang_engine_ranks: int = 1  # GPUs (TP ranks) of each SGLang server, for weight sync
     rollout_dtype: str = "float32"
     rollout_batch_size: int = 16  # prompts per rollout
     n_samples_per_prompt: int = 8
@@ -131,6 +132,7 @@ class TrainConfig:
             "n_samples_per_prompt",
             "max_response_length",
             "max_bad_steps",
+            "sglang_engine_ranks",
         )
         for name in positive:
             value = getattr(self, name)
@@ -297,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sglang-url", dest="sglang_url", action="append", default=[])
     add(g, "sglang-return-routed-experts", action="store_true")
     add(g, "weight-sync-transport", choices=("distributed", "tensor", "disk"))
+    add(g, "sglang-engine-ranks", help="TP ranks of each SGLang server (weight-sync group)")
     add(g, "rollout-dtype", choices=("float32", "bfloat16"))
     for name in ("rollout-batch-size", "n-samples-per-prompt", "max-response-length"):
         add(g, name)

@@ -26,6 +26,8 @@ def build_engine(config: TrainConfig, hf_config, pad_token_id: int, seed: int):
         transport=config.weight_sync_transport,
         disk_dir=os.path.join(config.run_dir, "weight_sync"),  # used by the disk transport
         backend="nccl" if torch.cuda.is_available() else "gloo",
+        master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # trainer rank 0's node
+        engine_ranks=config.sglang_engine_ranks,
     )
     engine_config = SGLangEngineConfig.from_hf_config(
         hf_config,

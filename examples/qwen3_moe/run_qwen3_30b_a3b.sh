@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# 32-GPU RL job for Qwen3-30B-A3B: 2 nodes train (torchrun, megatron-core), 2 nodes serve
+# rollouts (one SGLang server per node, TP 8 / EP 8). Run this script on EVERY node with the
+# same environment; NODE_RANK decides the role.
+#
+#   HF_CKPT=/shared/Qwen3-30B-A3B PROMPTS=/shared/dapo-math-17k.parquet MASTER_ADDR=node0 \
+#   ROLLOUT_HOSTS="node2 node3" NODE_RANK=0 bash examples/qwen3_moe/run_qwen3_30b_a3b.sh
+#
+# LOSS=vespo|epic|gspo|grpo|... and REPLAY=off|r2|r3 pick the arm; STALENESS is N.
+# DRY_RUN=1 prints the commands of this node instead of running them.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+source "${HERE}/model_qwen3_30b_a3b.sh"
+
+PROMPTS=${PROMPTS:?set PROMPTS to a JSONL/Parquet prompt file (DAPO-Math-17k layout works)}
+NODE_RANK=${NODE_RANK:?set NODE_RANK (0,1 train; 2,3 serve)}
+MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR to the first training node}
+ROLLOUT_HOSTS=(${ROLLOUT_HOSTS:?set ROLLOUT_HOSTS to the two serving nodes})
+LOSS=${LOSS:-vespo}
+REPLAY=${REPLAY:-off}
+STALENESS=${STALENESS:-8}
+SGLANG_PORT=${SGLANG_PORT:-30000}
+RUN_DIR=${RUN_DIR:-runs/qwen3-30b-a3b-${LOSS}-${REPLAY}-N${STALENESS}}
+TRAIN_NODES=2
+GPUS_PER_NODE=8
+ROLLOUT_PROMPTS=64
+SAMPLES_PER_PROMPT=8
+
+run() {
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then echo "$*"; else "$@"; fi
+}
+
+ROLLOUT_ARGS=(
+  --rollout-engine sglang
+  --weight-sync-transport distributed
+  --sglang-engine-ranks 8
+  --rollout-batch-size "${ROLLOUT_PROMPTS}"
+  --n-samples-per-prompt "${SAMPLES_PER_PROMPT}"
+  --max-response-length 16384
+  --temperature 1.0
+)
+for host in "${ROLLOUT_HOSTS[@]}"; do
+  ROLLOUT_ARGS+=(--sglang-url "http://${host}:${SGLANG_PORT}")
+done
+if [[ "${REPLAY}" == r3 ]]; then
+  ROLLOUT_ARGS+=(--sglang-return-routed-experts)
+fi
+
+RL_ARGS=(
+  --loss "${LOSS}"
+  --advantage-estimator grpo
+  --routing-replay "${REPLAY}"
+  --routing-dtype auto
+  --kl-coef 0.001
+)
+
+OPTIM_ARGS=(
+  --train-iters 300
+  --micro-batch-size 1
+  # staleness N: one rollout of 512 samples is consumed by N sequential optimizer steps
+  --global-batch-size $(( ROLLOUT_PROMPTS * SAMPLES_PER_PROMPT / STALENESS ))
+  --lr 1e-6
+  --clip-grad 1.0
+  --seed 1234
+)
+
+DATA_ARGS=(
+  --prompt-data "${PROMPTS}"
+  --max-prompt-length 2048
+  --reward math
+)
+
+OUTPUT_ARGS=(
+  --run-dir "${RUN_DIR}"
+  --save "${RUN_DIR}/checkpoints"
+  --load "${RUN_DIR}/checkpoints"
+  --save-interval 20
+  --wandb-project "${WANDB_PROJECT:-megatron-rl}"
+  --wandb-exp-name "qwen3-30b-a3b-${LOSS}-${REPLAY}-N${STALENESS}"
+)
+
+if (( NODE_RANK >= TRAIN_NODES )); then
+  # a serving node: one SGLang server on all 8 GPUs; SIGTERM to this script stops it
+  SERVE_ARGS=(
+    --model-path "${HF_CKPT}" --host 0.0.0.0 --base-port "${SGLANG_PORT}"
+    --num-servers 1 --tp-size 8 --ep-size 8 --mem-fraction-static 0.7
+    --log-dir "${RUN_DIR}"
+  )
+  if [[ "${REPLAY}" == r3 ]]; then SERVE_ARGS+=(--routed-experts); fi
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then SERVE_ARGS+=(--dry-run); fi
+  exec python -m megatron_rl.rollout.serve "${SERVE_ARGS[@]}"
+fi
+
+run torchrun \
+  --nnodes "${TRAIN_NODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${GPUS_PER_NODE}" \
+  --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT:-29500}" \
+  -m megatron_rl.train \
+  "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${RL_ARGS[@]}" \
+  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}"
