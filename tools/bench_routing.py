@@ -56,12 +56,12 @@ def bench_codecs(num_items: int) -> Table:
 def _step_times(tmp: str, repeats: int, batch: int, seq: int) -> dict[str, float]:
     from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
-    from megatron_rl.model.config import moe_layer_pattern
+    from megatron_rl.model.config import moe_layer_numbers
     from megatron_rl.routing.replay import ReplayConfig, RoutingReplay
 
     init_distributed(ParallelConfig(), init_method=f"file://{tmp}/rdzv_step", device="cpu")
     config = preset_config("tiny")
-    layers = [i + 1 for i, s in enumerate(moe_layer_pattern(config)) if s]
+    layers = moe_layer_numbers(config)
     tokens = torch.randint(0, config.vocab_size, (batch, seq))
     results = {}
     try:
@@ -106,7 +106,7 @@ def _memory_rank(rank, tmp, replay, samples_per_rank, length, queue):
     torch.set_num_threads(1)
     from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
-    from megatron_rl.model.config import moe_layer_pattern
+    from megatron_rl.model.config import moe_layer_numbers
     from megatron_rl.routing.replay import ReplayConfig, RoutingReplay
 
     init_distributed(
@@ -118,7 +118,7 @@ def _memory_rank(rank, tmp, replay, samples_per_rank, length, queue):
     )
     try:
         config = preset_config("tiny", num_hidden_layers=8, num_experts=16, num_experts_per_tok=4)
-        layers = [i + 1 for i, s in enumerate(moe_layer_pattern(config)) if s]
+        layers = moe_layer_numbers(config)
         model = build_model(config, ModelOptions(routing_replay=replay))
         codec = RoutingCodec(config.num_experts, config.num_experts_per_tok, "auto")
         gen = torch.Generator().manual_seed(rank)

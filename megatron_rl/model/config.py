@@ -82,6 +82,11 @@ def moe_layer_pattern(hf_config: Qwen3MoeConfig) -> list[int]:
     ]
 
 
+def moe_layer_numbers(hf_config: Qwen3MoeConfig) -> list[int]:
+    """Megatron's 1-based layer numbers of the MoE layers (dense layers left out)."""
+    return [i + 1 for i, sparse in enumerate(moe_layer_pattern(hf_config)) if sparse]
+
+
 def shared_expert_size(hf_config: Qwen3MoeConfig) -> int | None:
     """Shared-expert FFN size when the config has shared experts (Qwen2-MoE style), else None."""
     size = getattr(hf_config, "shared_expert_intermediate_size", None)

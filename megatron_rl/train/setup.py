@@ -12,7 +12,7 @@ from megatron_rl.data import (
     load_tokenizer,
 )
 from megatron_rl.model import preset_config
-from megatron_rl.model.config import load_hf_config, moe_layer_pattern
+from megatron_rl.model.config import load_hf_config
 from megatron_rl.model.presets import PRESET_NAMES
 from megatron_rl.rewards import get_reward_fn
 from megatron_rl.train.config import TrainConfig
@@ -60,8 +60,3 @@ def load_policy_config(config: TrainConfig, tokenizer):
             f"{hf_config.vocab_size} embeddings; use a model that matches the tokenizer"
         )
     return hf_config, folder
-
-
-def moe_layer_numbers(hf_config) -> list[int]:
-    """Megatron's 1-based layer numbers of the MoE layers (dense layers left out)."""
-    return [i + 1 for i, sparse in enumerate(moe_layer_pattern(hf_config)) if sparse]

@@ -23,6 +23,7 @@ from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap
 from megatron_rl.losses import compute_policy_loss, kl_penalty, rollout_correction
 from megatron_rl.losses.aggregation import aggregate_padded
 from megatron_rl.model import ModelOptions, build_model
+from megatron_rl.model.config import moe_layer_numbers
 from megatron_rl.model.conversion import iter_hf_tensors
 from megatron_rl.routing import local_token_sources
 from megatron_rl.routing.replay import ReplayConfig, RoutingReplay
@@ -30,7 +31,7 @@ from megatron_rl.train.batch import MicroBatch, make_micro_batch, split
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.logprobs import forward_logits, token_entropy, token_logprobs
 from megatron_rl.train.rollout_phase import run_rollout
-from megatron_rl.train.setup import build_task, load_policy_config, moe_layer_numbers
+from megatron_rl.train.setup import build_task, load_policy_config
 
 logger = logging.getLogger(__name__)
 

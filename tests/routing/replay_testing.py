@@ -6,7 +6,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
-from megatron_rl.model.config import moe_layer_pattern
+from megatron_rl.model.config import moe_layer_numbers
 from megatron_rl.routing.replay import ReplayConfig, RoutingReplay
 
 
@@ -15,10 +15,6 @@ def tiny_moe(recompute: bool = False, **overrides):
     config._attn_implementation = "eager"
     model = build_model(config, ModelOptions(routing_replay=True, recompute=recompute))
     return config, model
-
-
-def moe_layer_numbers(config) -> list[int]:
-    return [i + 1 for i, sparse in enumerate(moe_layer_pattern(config)) if sparse]
 
 
 def make_driver(model, config, **kwargs) -> RoutingReplay:
