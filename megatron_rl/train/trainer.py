@@ -150,61 +150,62 @@ class Trainer:
         return payload[0]
 
     def _old_logprob_pass(self, batches, metrics) -> list[list[dict]]:
-        """Per micro-batch: trainer log-probs, behaviour log-probs, weights/masks, ref log-probs."""
-        config, out = self.config, []
-        gaps, k3s, entropies = [], [], []
+        """Per micro-batch: trainer log-probs, behaviour log-probs, weights/masks, ref log-probs.
+
+        R2 records each micro-batch's routing here; R3 replays the engine's routes.
+        """
+        kind = "record" if self.config.routing_replay == "r2" else "replay"
+        out, gaps, entropies = [], [], []
         self.model.eval()
         with torch.no_grad():
             for j, minibatch in enumerate(batches):
                 row = []
                 for i, mb in enumerate(minibatch):
-                    with self._routing(
-                        "record" if config.routing_replay == "r2" else "replay", (j, i), mb
-                    ):
+                    with self._routing(kind, (j, i), mb):
                         logits = forward_logits(self.model, mb.tokens_BS)
-                    old = token_logprobs(logits, mb.tokens_BS, config.temperature)
-                    mask = mb.loss_mask_BT
-                    entropies.append(token_entropy(logits, config.temperature)[mask])
-                    gap = (old - mb.rollout_logprobs_BT)[mask]
-                    gaps.append(gap)
-                    k3s.append(torch.expm1(-gap.clamp(-20, 20)) + gap.clamp(-20, 20))
-                    entry = {"old": old, "mask": mask, "weights": None}
-                    entry["behaviour"] = (
-                        old if config.behavior_logprobs == "trainer" else mb.rollout_logprobs_BT
+                    entry = self._behaviour_entry(mb, logits)
+                    gaps.append((entry["old"] - mb.rollout_logprobs_BT)[mb.loss_mask_BT])
+                    entropies.append(
+                        token_entropy(logits, self.config.temperature)[mb.loss_mask_BT]
                     )
-                    if config.rollout_correction != "none":
-                        corr = rollout_correction(
-                            config.rollout_correction,
-                            old_logprobs=old,
-                            rollout_logprobs=mb.rollout_logprobs_BT,
-                            loss_mask=mask,
-                        )
-                        entry.update(weights=corr.weights, mask=corr.loss_mask)
-                    if self.reference is not None:
-                        ref_logits = forward_logits(self.reference, mb.tokens_BS)
-                        entry["ref"] = token_logprobs(ref_logits, mb.tokens_BS, config.temperature)
                     row.append(entry)
                 out.append(row)
         self.model.train()
-        gap = torch.cat(gaps) if gaps else torch.zeros(1)
-        metrics["mismatch/train_rollout_logprob_abs_gap"] = (
-            float(gap.abs().mean()) if gap.numel() else 0.0
-        )
-        metrics["mismatch/train_rollout_k3"] = float(torch.cat(k3s).mean()) if gap.numel() else 0.0
-        ent = torch.cat(entropies)
-        metrics["entropy"] = float(ent.mean()) if ent.numel() else 0.0
+        gap = torch.cat(gaps).clamp(-20, 20)  # log(pi_train / mu_rollout) per response token
+        metrics["mismatch/train_rollout_logprob_abs_gap"] = float(gap.abs().mean())
+        metrics["mismatch/train_rollout_k3"] = float((torch.expm1(-gap) + gap).mean())
+        metrics["entropy"] = float(torch.cat(entropies).mean())
         return out
+
+    def _behaviour_entry(self, mb: MicroBatch, logits) -> dict:
+        """What the updates of one micro-batch need from the old-logprob pass."""
+        config = self.config
+        old = token_logprobs(logits, mb.tokens_BS, config.temperature)
+        behaviour = old if config.behavior_logprobs == "trainer" else mb.rollout_logprobs_BT
+        entry = {"old": old, "behaviour": behaviour, "mask": mb.loss_mask_BT, "weights": None}
+        if config.rollout_correction != "none":
+            correction = rollout_correction(
+                config.rollout_correction,
+                old_logprobs=old,
+                rollout_logprobs=mb.rollout_logprobs_BT,
+                loss_mask=mb.loss_mask_BT,
+            )
+            entry.update(weights=correction.weights, mask=correction.loss_mask)
+        if self.reference is not None:
+            ref_logits = forward_logits(self.reference, mb.tokens_BS)
+            entry["ref"] = token_logprobs(ref_logits, mb.tokens_BS, config.temperature)
+        return entry
 
     def _update(self, j: int, minibatch: list[MicroBatch], behaviour: list[dict], metrics) -> None:
         """One optimizer step over the micro-batches of mini-batch ``j``."""
         config = self.config
-        counts = (
-            torch.tensor([float(e["mask"].sum()) for e in behaviour], dtype=torch.float64)
-            .sum()
-            .reshape(1)
-        )
-        seqs = sum(float(e["mask"].any(dim=-1).sum()) for e in behaviour)
-        totals = torch.cat([counts, torch.tensor([seqs], dtype=torch.float64)])
+        totals = torch.tensor(
+            [
+                sum(float(e["mask"].sum()) for e in behaviour),
+                sum(float(e["mask"].any(dim=-1).sum()) for e in behaviour),
+            ],
+            dtype=torch.float64,
+        )  # this mini-batch's response tokens and sequences, summed over data-parallel ranks
         dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         num_tokens, num_seqs = float(totals[0]), float(totals[1])
         if num_tokens == 0:
