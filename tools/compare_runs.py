@@ -90,10 +90,10 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def plot(arms: dict[str, list[dict]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.6))
     for ax, (key, title) in zip(axes, PANELS, strict=True):
-        for name, rows in arms.items():
+        for index, (name, rows) in enumerate(arms.items()):
             steps, values = series(rows, key)
-            if steps:
-                ax.plot(steps, values, label=name)
+            if steps:  # one colour per arm in every panel, whichever panels it has data for
+                ax.plot(steps, values, label=name, color=f"C{index % 10}")
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
