@@ -71,6 +71,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        _fsync(tmp)  # the data is on disk before the name points at it
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -79,11 +80,23 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder."""
+    """Write ``text`` to ``path`` through a temporary file in the same folder (fsynced)."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path) or ".")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
 
 
 def write_checkpoint(
