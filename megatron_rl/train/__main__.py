@@ -11,6 +11,8 @@ from megatron_rl.train.run import run
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # without a terminal (CI, log files) the progress bar becomes one INFO line per step
+    logging.getLogger("megatron_rl.train.run_logger").setLevel(logging.INFO)
     try:
         config = parse_args(argv)
     except ValueError as err:
