@@ -11,10 +11,21 @@ For response token ``t`` (1-based, counted over the masked-in tokens of the sequ
   ``u_t^(1/t)``;
 * straight-through current-token gradient (App. 8.1):
   ``g~_t = sg[g_t] * pi_theta(y_t) / sg[pi_theta(y_t)]``;
-* sign-aware clip (App. 8.2): ``S_t = A min(g~_t, u_t^(1/t))`` for ``A >= 0`` and
-  ``S_t = A clip(g~_t, l_t^(1/t), u_t^(1/t))`` for ``A < 0``; the per-token loss is ``-S_t``,
-  with gradient ``A g_t grad log pi_t`` times ``1{g_t < u}`` (``A >= 0``) or ``1{l < g_t < u}``
-  (``A < 0``).
+* clip operator ``S_t = C(q, A; l, u)`` at ``q = g~_t``, ``l = l_t^(1/t)``, ``u = u_t^(1/t)``;
+  the per-token loss is ``-S_t`` and its gradient is ``A g_t grad log pi_t`` times an
+  indicator. ``variant`` chooses the operator:
+
+  - ``"dual"`` (default): the paper's sign-aware operator (Sec. 3.3, App. 8.2),
+    ``C = A min(q, u)`` for ``A >= 0`` and ``C = A clip(q, l, u)`` for ``A < 0``; indicator
+    ``1{g_t < u}`` (``A >= 0``) or ``1{l < g_t < u}`` (``A < 0``), i.e. a negative-advantage
+    token is also cut off above ``u``;
+  - ``"plain"``: the ordinary PPO pessimistic clip on the same ratio and bounds,
+    ``C = min(q A, clip(q, l, u) A)``, which is ``A min(q, u)`` for ``A >= 0`` (as in dual) and
+    ``A max(q, l)`` for ``A < 0``; indicator ``1{g_t < u}`` (``A >= 0``) or ``1{g_t > l}``
+    (``A < 0``), so a negative-advantage token above ``u`` keeps its gradient.
+
+  Metrics ``clip_frac_high`` / ``clip_frac_low`` count the tokens whose gradient the upper /
+  lower bound removes under the chosen operator.
 
 Computation: whether a token is clipped needs no root, since ``g_t >= u_t^(1/t)`` iff
 ``L_t > 0`` and ``phi(e^L_t) >= c_high`` (and symmetrically below ``l``); that test is exact and
@@ -39,6 +50,7 @@ from megatron_rl.losses.log_space import LOG_RATIO_CAP, capped_exp, masked_mean
 from megatron_rl.losses.registry import LossTerms, register_policy_loss
 
 EPIC_NEWTON_STEPS = 4
+EPIC_VARIANTS = ("dual", "plain")
 _LOG_C_MIN, _LOG_C_MAX = -600.0, 700.0
 
 
@@ -46,8 +58,11 @@ _LOG_C_MIN, _LOG_C_MAX = -600.0, 700.0
 class EPICConfig:
     delta_low: float = 5e-4
     delta_high: float = 2e-3
+    variant: str = "dual"
 
     def __post_init__(self) -> None:
+        if self.variant not in EPIC_VARIANTS:
+            raise ValueError(f"variant={self.variant!r} is unknown; choose one of {EPIC_VARIANTS}")
         for field_name in ("delta_low", "delta_high"):
             value = getattr(self, field_name)
             if not (math.isfinite(value) and value > 0):
@@ -128,6 +143,8 @@ def epic_loss(inputs: PaddedInputs, config: EPICConfig) -> LossTerms:
         negative = adv_BT < 0
         clip_low = negative & below_lower & mask_BT
         clip_high = above_upper & mask_BT
+        if config.variant == "plain":  # A < 0 is clipped only below l
+            clip_high = clip_high & ~negative
         # clipped tokens take the bound's value: solve for the roots only there
         log_clipped = torch.zeros_like(prefix_BT)
         if bool(clip_high.any()):

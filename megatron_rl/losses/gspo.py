@@ -53,11 +53,11 @@ def _gspo(inputs: PaddedInputs, config: GSPOConfig, token_level: bool) -> LossTe
     with torch.no_grad():
         s = s_BT.detach()
         mask = inputs.mask_BT
+        high = (adv_BT > 0) & (s > 1 + config.clip_high)
+        low = (adv_BT < 0) & (s < 1 - config.clip_low)
         metrics = {
-            "clip_frac_high": masked_mean(
-                ((adv_BT > 0) & (s > 1 + config.clip_high)).float(), mask
-            ),
-            "clip_frac_low": masked_mean(((adv_BT < 0) & (s < 1 - config.clip_low)).float(), mask),
+            "clip_frac_high": masked_mean(high.to(s.dtype), mask),
+            "clip_frac_low": masked_mean(low.to(s.dtype), mask),
             "seq_ratio_mean": masked_mean(s, mask),
         }
     return LossTerms(loss_BT, metrics)

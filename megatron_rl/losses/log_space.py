@@ -1,4 +1,5 @@
-"""Small numeric helpers shared by the losses: exponentials that cannot overflow.
+"""Small numeric helpers shared by the losses: exponentials that cannot overflow, masked
+reductions, and per-token hyperparameters in the input's dtype.
 
 ``LOG_RATIO_CAP = 20`` bounds every importance ratio that a loss must exponentiate without a
 clip of its own (the PPO branch for negative advantages, GSPO's sequence ratio, KL k3):
@@ -36,3 +37,15 @@ def masked_extreme(values: torch.Tensor, mask: torch.Tensor, largest: bool) -> t
     filled = torch.where(mask, values, fill)
     extreme = filled.max() if largest else filled.min()
     return torch.where(mask.any(), extreme, values.new_zeros(()))
+
+
+def where_scalars(
+    cond: torch.Tensor, if_true: float, if_false: float, like: torch.Tensor
+) -> torch.Tensor:
+    """``if_true`` where ``cond`` else ``if_false``, in ``like``'s dtype and on its device.
+
+    ``torch.where(cond, 1.05, 2.0)`` on Python floats makes a float32 tensor, so a float64 run
+    would see ``1.05`` rounded to ``1.0499999523``; here each value is materialised directly in
+    ``like.dtype`` (exact in float64, the usual rounding in float32).
+    """
+    return torch.where(cond, like.new_full((), if_true), like.new_full((), if_false))

@@ -68,10 +68,12 @@ def clip_fractions(
     clip_low: float,
     clip_high: float,
 ) -> dict[str, torch.Tensor]:
-    """Fractions of masked positions whose gradient the clip removes, per side."""
+    """Fractions of masked positions whose gradient the clip removes, per side (ratio's dtype)."""
+    high = (advantages > 0) & (ratio > 1 + clip_high)
+    low = (advantages < 0) & (ratio < 1 - clip_low)
     return {
-        "clip_frac_high": masked_mean(((advantages > 0) & (ratio > 1 + clip_high)).float(), mask),
-        "clip_frac_low": masked_mean(((advantages < 0) & (ratio < 1 - clip_low)).float(), mask),
+        "clip_frac_high": masked_mean(high.to(ratio.dtype), mask),
+        "clip_frac_low": masked_mean(low.to(ratio.dtype), mask),
     }
 
 
@@ -87,7 +89,7 @@ def ppo_clip_loss(inputs: PaddedInputs, config: PPOClipConfig) -> LossTerms:
     )
     if config.clip_ratio_c is not None:
         dual = (adv_BT < 0) & (ratio_BT.detach() > config.clip_ratio_c)
-        metrics["dual_clip_frac"] = masked_mean(dual.float(), inputs.mask_BT)
+        metrics["dual_clip_frac"] = masked_mean(dual.to(ratio_BT.dtype), inputs.mask_BT)
     return LossTerms(loss_BT, metrics)
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.losses.layout import PaddedInputs
-from megatron_rl.losses.log_space import masked_mean
+from megatron_rl.losses.log_space import masked_mean, where_scalars
 from megatron_rl.losses.registry import LossTerms, register_policy_loss
 
 _LOG_R_MAX = 50.0
@@ -54,7 +54,7 @@ def sapo_gate_and_weight(log_ratio: torch.Tensor, tau: torch.Tensor):
 def sapo_loss(inputs: PaddedInputs, config: SAPOConfig) -> LossTerms:
     lp_BT, adv_BT = inputs.logprobs_BT, inputs.advantages_BT
     with torch.no_grad():
-        tau_BT = torch.where(adv_BT >= 0, config.tau_pos, config.tau_neg).to(lp_BT.dtype)
+        tau_BT = where_scalars(adv_BT >= 0, config.tau_pos, config.tau_neg, like=lp_BT)
         gate_BT, weight_BT = sapo_gate_and_weight(lp_BT - inputs.old_logprobs_BT, tau_BT)
     loss_BT = -adv_BT * (gate_BT + weight_BT * (lp_BT - lp_BT.detach()))
     metrics = {

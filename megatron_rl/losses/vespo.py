@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.losses.layout import PaddedInputs
-from megatron_rl.losses.log_space import masked_extreme, masked_mean
+from megatron_rl.losses.log_space import masked_extreme, masked_mean, where_scalars
 from megatron_rl.losses.registry import LossTerms, register_policy_loss
 
 LOG_W_MAX = 50.0
@@ -77,8 +77,8 @@ def vespo_loss(inputs: PaddedInputs, config: VESPOConfig) -> LossTerms:
         log_w_B = (inputs.logprobs_BT - inputs.old_logprobs_BT).sum(dim=-1)
         adv_B = inputs.sequence_advantages_B()
         positive_B = adv_B >= 0
-        c1_B = torch.where(positive_B, config.c1_pos, config.c1_neg).to(log_w_B.dtype)
-        c2_B = torch.where(positive_B, config.c2_pos, config.c2_neg).to(log_w_B.dtype)
+        c1_B = where_scalars(positive_B, config.c1_pos, config.c1_neg, like=log_w_B)
+        c2_B = where_scalars(positive_B, config.c2_pos, config.c2_neg, like=log_w_B)
         phi_B = vespo_kernel(log_w_B, c1_B, c2_B)
     loss_BT = -(phi_B * adv_B)[:, None] * inputs.logprobs_BT
     metrics = {

@@ -53,6 +53,31 @@ def test_packed_per_token_advantages_match_padded(name):
     torch.testing.assert_close(grad_packed, grad_pad[b.loss_mask])
 
 
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_epic_plain_packed_and_padded_give_identical_loss_and_gradients(mode):
+    b = make_batch(num_seqs=7, max_len=11, seed=21)
+    kw = dict(loss_agg_mode=mode, max_response_length=16, variant="plain")
+    loss_pad, grad_pad = loss_and_grad("epic", **kw, **b.kwargs())
+    loss_packed, grad_packed = loss_and_grad("epic", **kw, **_pack(b))
+    torch.testing.assert_close(loss_packed, loss_pad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad_packed, grad_pad[b.loss_mask], rtol=1e-12, atol=1e-14)
+    _, grad_dual = loss_and_grad("epic", **(kw | {"variant": "dual"}), **b.kwargs())
+    assert not torch.equal(grad_dual, grad_pad), "the batch must tell the variants apart"
+
+
+def test_epic_plain_packed_per_token_advantages_match_padded():
+    b = make_batch(num_seqs=5, max_len=8, seed=22)
+    gen = torch.Generator().manual_seed(22)
+    adv_BT = torch.randn(b.loss_mask.shape, generator=gen, dtype=torch.float64)
+    padded = b.kwargs() | {"advantages": adv_BT}
+    loss_pad, grad_pad = loss_and_grad("epic", variant="plain", **padded)
+    loss_packed, grad_packed = loss_and_grad("epic", variant="plain", **_pack(b, adv_BT))
+    torch.testing.assert_close(loss_packed, loss_pad)
+    torch.testing.assert_close(grad_packed, grad_pad[b.loss_mask])
+    _, grad_dual = loss_and_grad("epic", variant="dual", **padded)
+    assert not torch.equal(grad_dual, grad_pad), "the batch must tell the variants apart"
+
+
 def test_packed_per_token_loss_is_returned_in_packed_order():
     b = make_batch(seed=23)
     pad = compute_policy_loss("grpo", **b.kwargs()).per_token_loss
@@ -128,6 +153,15 @@ def test_bf16_inputs_are_computed_in_float32_and_return_bf16_per_token_loss():
     assert out.loss.dtype == torch.float32 and out.per_token_loss.dtype == torch.bfloat16
     out.loss.backward()
     assert lp.grad.dtype == torch.bfloat16 and torch.isfinite(lp.grad.float()).all()
+
+
+def test_float64_inputs_give_float64_loss_and_metrics_for_every_loss():
+    b = make_batch(seed=30)
+    for name in available_losses():
+        out = compute_policy_loss(name, **b.kwargs())
+        assert out.loss.dtype == torch.float64 and out.per_token_loss.dtype == torch.float64
+        for key, value in out.metrics.items():
+            assert value.dtype == torch.float64, key
 
 
 def test_every_registered_loss_reports_namespaced_detached_metrics():

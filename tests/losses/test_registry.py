@@ -54,6 +54,7 @@ def test_unknown_hyperparameter_lists_the_known_ones(batch):
         ("grpo", {"clip_ratio_c": 0.5}),
         ("vespo", {"c1_pos": 0.0}),
         ("epic", {"delta_low": -1.0}),
+        ("epic", {"variant": "clipped"}),
         ("sapo", {"tau_neg": 0.0}),
         ("cispo", {"clip_high": float("nan")}),
     ],

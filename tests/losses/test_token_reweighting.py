@@ -14,8 +14,47 @@ from megatron_rl.losses import compute_policy_loss
 def _sapo_direct(lp, olp, adv_BT, tau_pos, tau_neg):
     """SAPO surrogate f(r) A written directly (differentiable), for moderate ratios."""
     r = torch.exp(lp - olp)
-    tau = torch.where(adv_BT >= 0, tau_pos, tau_neg).double()
+    tau_pos, tau_neg = (torch.tensor(v, dtype=lp.dtype) for v in (tau_pos, tau_neg))
+    tau = torch.where(adv_BT >= 0, tau_pos, tau_neg)
     return torch.sigmoid(tau * (r - 1)) * 4 / tau * adv_BT
+
+
+def _sapo_closed_form(log_r: float, a: float, tau: float) -> tuple[float, float]:
+    """Per-token loss ``-A 4 sigma(z) / tau`` and its derivative ``-A 4 sigma(z) sigma(-z) r``."""
+    z = tau * math.expm1(log_r)
+    s = 1.0 / (1.0 + math.exp(-z))
+    return -a * 4.0 * s / tau, -a * 4.0 * s * (1.0 - s) * math.exp(log_r)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.5])
+@pytest.mark.parametrize(("tau_pos", "tau_neg"), [(1.0, 1.05), (0.7, 1.3)])
+def test_sapo_float64_matches_closed_form_to_1e_13(scale, tau_pos, tau_neg):
+    """float64 in, float64 math throughout: temperatures are not rounded to float32."""
+    gen = torch.Generator().manual_seed(31)
+    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64) - 0.1
+    lp = (old + scale * torch.randn(4, 6, generator=gen, dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, -0.7, 0.4, -1.3], dtype=torch.float64)
+    out = compute_policy_loss(
+        "sapo",
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        logprobs=lp,
+        old_logprobs=old,
+        advantages=adv,
+        loss_mask=torch.ones(4, 6, dtype=torch.bool),
+        loss_agg_mode="seq-mean-token-sum",
+        global_num_seqs=1,  # loss = sum of per-token losses, gradient = per-token derivative
+    )
+    (grad,) = torch.autograd.grad(out.loss, lp)
+    log_r = (lp.detach() - old).tolist()
+    expected = [
+        [_sapo_closed_form(x, a, tau_pos if a >= 0 else tau_neg) for x in row]
+        for row, a in zip(log_r, adv.tolist(), strict=True)
+    ]
+    value = torch.tensor([[v for v, _ in row] for row in expected], dtype=torch.float64)
+    dvalue = torch.tensor([[d for _, d in row] for row in expected], dtype=torch.float64)
+    torch.testing.assert_close(out.per_token_loss.detach(), value, rtol=1e-13, atol=0.0)
+    torch.testing.assert_close(grad, dvalue, rtol=1e-13, atol=0.0)
 
 
 def test_sapo_matches_autograd_of_the_soft_gate():
@@ -63,7 +102,7 @@ def test_topr_truncates_only_negative_sequences():
     _, grad = loss_and_grad("topr", **b.kwargs())
     mask = b.loss_mask
     log_w = ((b.logprobs.detach() - b.old_logprobs) * mask).sum(-1)
-    weight = torch.where(b.advantages >= 0, 1.0, log_w.exp().clamp(max=1.0)).double()
+    weight = torch.where(b.advantages >= 0, 1.0, log_w.exp().clamp(max=1.0))
     expected = -(weight * b.advantages)[:, None] / mask.shape[0] * mask  # seq-mean-token-sum
     torch.testing.assert_close(grad, expected)
     negative = b.advantages < 0

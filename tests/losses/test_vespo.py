@@ -8,6 +8,7 @@ import pytest
 import torch
 from loss_batches import loss_and_grad, make_batch
 
+from megatron_rl.losses import compute_policy_loss
 from megatron_rl.losses.vespo import vespo_kernel
 
 
@@ -49,14 +50,51 @@ def test_vespo_gradient_is_minus_phi_times_advantage_with_the_weight_detached():
     mask = b.loss_mask
     log_w_B = ((b.logprobs.detach() - b.old_logprobs) * mask).sum(-1)
     pos = b.advantages >= 0
-    c1 = torch.where(pos, 2.0, 3.0).double()
-    c2 = torch.where(pos, 3.0, 2.0).double()
+    c1 = torch.where(pos, torch.tensor(2.0).double(), torch.tensor(3.0).double())
+    c2 = torch.where(pos, torch.tensor(3.0).double(), torch.tensor(2.0).double())
     phi_B = torch.exp(c1 * log_w_B + c2 * (1 - log_w_B.exp()))
     n = mask.sum()
     expected_grad = (-(phi_B * b.advantages)[:, None] / n).expand_as(mask) * mask
     torch.testing.assert_close(grad, expected_grad)
     expected_loss = (-(phi_B * b.advantages)[:, None] * b.logprobs.detach() * mask).sum() / n
     torch.testing.assert_close(loss, expected_loss)
+
+
+@pytest.mark.parametrize(
+    "exponents",
+    [
+        {},  # the paper's (2, 3) / (3, 2): exact in float32 too
+        {"c1_pos": 2.1, "c2_pos": 2.9, "c1_neg": 3.3, "c2_neg": 1.7},  # not exact in float32
+    ],
+)
+def test_vespo_float64_matches_closed_form_to_1e_13(exponents):
+    """float64 in, float64 math throughout: kernel exponents are not rounded to float32."""
+    c = {"c1_pos": 2.0, "c2_pos": 3.0, "c1_neg": 3.0, "c2_neg": 2.0} | exponents
+    gen = torch.Generator().manual_seed(32)
+    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64) - 0.1
+    lp = (old + 0.05 * torch.randn(4, 6, generator=gen, dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, -0.7, 0.4, -1.3], dtype=torch.float64)
+    out = compute_policy_loss(
+        "vespo",
+        **exponents,
+        logprobs=lp,
+        old_logprobs=old,
+        advantages=adv,
+        loss_mask=torch.ones(4, 6, dtype=torch.bool),
+        loss_agg_mode="seq-mean-token-sum",
+        global_num_seqs=1,  # loss = sum of per-token losses, gradient = per-token derivative
+    )
+    (grad,) = torch.autograd.grad(out.loss, lp)
+    value, dvalue = [], []
+    for lp_row, old_row, a in zip(lp.tolist(), old.tolist(), adv.tolist(), strict=True):
+        w = math.exp(sum(x - y for x, y in zip(lp_row, old_row, strict=True)))
+        side = "pos" if a >= 0 else "neg"
+        phi = _phi(w, c[f"c1_{side}"], c[f"c2_{side}"])
+        value.append([-phi * a * x for x in lp_row])
+        dvalue.append([-phi * a] * len(lp_row))
+    value_t, dvalue_t = (torch.tensor(v, dtype=torch.float64) for v in (value, dvalue))
+    torch.testing.assert_close(out.per_token_loss.detach(), value_t, rtol=1e-13, atol=0.0)
+    torch.testing.assert_close(grad, dvalue_t, rtol=1e-13, atol=0.0)
 
 
 def test_vespo_on_policy_gradient_is_plain_reinforce():
@@ -74,8 +112,6 @@ def test_vespo_is_not_length_normalised():
     mask = torch.zeros(2, 8, dtype=torch.bool)
     mask[0, :2] = True
     mask[1, :] = True
-    from megatron_rl.losses import compute_policy_loss
-
     out = compute_policy_loss(
         "vespo",
         logprobs=lp,
