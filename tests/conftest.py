@@ -7,3 +7,24 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "model"))
+
+
+import pytest
+
+
+@pytest.fixture
+def ws1_seed() -> int:
+    """Megatron's seed for `ws1`; a test module overrides this fixture to choose another."""
+    return 1234
+
+
+@pytest.fixture
+def ws1(tmp_path, ws1_seed):
+    """A world-size-1 gloo group with megatron's parallel state (CPU), torn down afterwards."""
+    from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
+
+    init_distributed(
+        ParallelConfig(seed=ws1_seed), init_method=f"file://{tmp_path}/rdzv", device="cpu"
+    )
+    yield
+    destroy_distributed()

@@ -56,7 +56,7 @@ def bench_codecs(num_items: int) -> Table:
 def _step_times(tmp: str, repeats: int, batch: int, seq: int) -> dict[str, float]:
     from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
-    from megatron_rl.model.config import moe_layer_numbers
+    from megatron_rl.moe_layers import moe_layer_numbers
     from megatron_rl.routing.replay import ReplayConfig, RoutingReplay
 
     init_distributed(ParallelConfig(), init_method=f"file://{tmp}/rdzv_step", device="cpu")
@@ -106,7 +106,7 @@ def _memory_rank(rank, tmp, replay, samples_per_rank, length, queue):
     torch.set_num_threads(1)
     from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
-    from megatron_rl.model.config import moe_layer_numbers
+    from megatron_rl.moe_layers import moe_layer_numbers
     from megatron_rl.routing.replay import ReplayConfig, RoutingReplay
 
     init_distributed(

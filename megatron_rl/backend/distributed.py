@@ -70,6 +70,11 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def initialized_parallel_state():
+    """megatron's ``parallel_state`` when its groups are initialised, else None."""
+    return parallel_state if parallel_state.model_parallel_is_initialized() else None
+
+
 def _free_tcp_address() -> str:
     import socket
 

@@ -21,6 +21,7 @@ from megatron.core.distributed import (
 )
 
 from megatron_rl.backend.cpu import cuda_available
+from megatron_rl.collectives import all_ranks_agree
 
 logger = logging.getLogger(__name__)
 
@@ -133,10 +134,7 @@ class PolicyOptimizer:
                 )
         grads = [p.grad for p in params if p.grad is not None]
         grad_norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
-        finite = torch.isfinite(grad_norm).to(torch.float32).reshape(1)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-        if not bool(finite.item()):
+        if not all_ranks_agree(bool(torch.isfinite(grad_norm))):
             return None
         if self.config.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad)

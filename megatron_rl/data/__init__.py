@@ -1,12 +1,7 @@
 """Prompt data for RL: tokenizers, dataset loading, the prompt sampler and the built-in task."""
 
-from megatron_rl.data.builtin_task import (
-    BuiltinTaskConfig,
-    BuiltinTokenizer,
-    builtin_task,
-    score_builtin_response,
-    uniform_policy_accuracy,
-)
+from megatron_rl.data.builtin_task import BuiltinTaskConfig, builtin_task, uniform_policy_accuracy
+from megatron_rl.data.builtin_tokenizer import BuiltinTokenizer
 from megatron_rl.data.dataset import ANSWER_KEYS, load_prompt_dataset
 from megatron_rl.data.records import PromptRecord
 from megatron_rl.data.sampler import PromptSampler
@@ -23,6 +18,5 @@ __all__ = [
     "builtin_task",
     "load_prompt_dataset",
     "load_tokenizer",
-    "score_builtin_response",
     "uniform_policy_accuracy",
 ]

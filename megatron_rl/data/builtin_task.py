@@ -1,26 +1,13 @@
-"""The built-in verifiable task: modular addition over digit tokens, with its own tokenizer.
+"""The built-in verifiable task: modular addition over digit tokens (`builtin_tokenizer`).
 
 A prompt is ``<bos> a + b =`` (``num_operands`` digits ``< modulus``, joined by ``+``); the
 reference answer is ``(a + b + offset) mod modulus`` as one digit. The default is the easiest
 useful instance, "the successor of digit d" (one operand, offset 1, modulus 10: ``<bos> 3 =`` ->
 ``4``, 10 prompts); the answer is never a token of the prompt, so copying does not pay. The
-policy should answer with the digit token, then ``<eos>``. `score_builtin_response` (the
-"builtin" reward) gives 1.0 when the first symbol of the decoded response is the answer digit,
-else 0.0; what follows it is ignored, so a rollout of ``max_response_length`` 2 to 4 suffices.
-
-The tokenizer needs no files. Its ids are fixed (and never change between releases):
-
-    ==  =======  ============================
-    id  symbol   role
-    ==  =======  ============================
-    0   <pad>    pad_token_id
-    1   <bos>    first token of every prompt
-    2   <eos>    eos_token_id
-    3   +        operator
-    4   =        end of the question
-    5+d d        digit d, d = 0..9 (ids 5..14)
-    15  ?        unused filler (never right)
-    ==  =======  ============================
+policy should answer with the digit token, then ``<eos>``. The "builtin" reward
+(`megatron_rl.rewards.score_builtin_response`) gives 1.0 when the first symbol of the decoded
+response is the answer digit, else 0.0; what follows it is ignored, so a rollout of
+``max_response_length`` 2 to 4 suffices.
 
 ``vocab_size`` is 16 (divisible by any tensor-parallel size up to 16). Build the policy with this
 vocabulary (``preset_config("tiny", vocab_size=tokenizer.vocab_size)``): a randomly initialised
@@ -35,59 +22,14 @@ HF tiny Qwen3-MoE (plain REINFORCE, group-normalised advantages, 16 prompts x 8 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
+from megatron_rl.data.builtin_tokenizer import BuiltinTokenizer
 from megatron_rl.data.records import PromptRecord
 
-PAD_ID, BOS_ID, EOS_ID, PLUS_ID, EQUALS_ID, DIGIT0_ID = 0, 1, 2, 3, 4, 5
-SYMBOLS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "+", "=", *map(str, range(10)), "?")
-"""``SYMBOLS[id]`` is the symbol of token ``id``."""
-_SPECIAL_IDS = frozenset({PAD_ID, BOS_ID, EOS_ID})
 _MAX_OPERANDS = 4
-
-
-class BuiltinTokenizer:
-    """The task's whitespace tokenizer over `SYMBOLS` (satisfies the `Tokenizer` protocol).
-
-    ``encode`` splits on whitespace and maps each symbol to its id (ValueError for an unknown
-    symbol); ``decode`` joins the symbols of the non-special ids with single spaces and raises
-    ValueError for an id outside ``[0, vocab_size)``.
-    """
-
-    vocab_size: int = len(SYMBOLS)
-    eos_token_id: int = EOS_ID
-    pad_token_id: int = PAD_ID
-    bos_token_id: int = BOS_ID
-    has_chat_template: bool = False
-
-    _ids: ClassVar[dict[str, int]] = {symbol: index for index, symbol in enumerate(SYMBOLS)}
-
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        for symbol in text.split():
-            if symbol not in self._ids:
-                raise ValueError(
-                    f"symbol {symbol!r} is not in the built-in task's vocabulary {SYMBOLS}"
-                )
-            ids.append(self._ids[symbol])
-        return ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        symbols = []
-        for token in ids:
-            token = int(token)
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
-            if token not in _SPECIAL_IDS:
-                symbols.append(SYMBOLS[token])
-        return " ".join(symbols)
-
-    def __repr__(self) -> str:
-        return f"BuiltinTokenizer(vocab_size={self.vocab_size})"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,13 +108,3 @@ def builtin_task(config: BuiltinTaskConfig) -> tuple[BuiltinTokenizer, list[Prom
         answer = str((sum(digits) + config.offset) % config.modulus)
         records.append(PromptRecord(index, tuple(tokenizer.encode(text)), answer, text))
     return tokenizer, records
-
-
-def score_builtin_response(response: str, answer: str) -> float:
-    """1.0 when the first whitespace-separated symbol of ``response`` equals ``answer``, else 0.0.
-
-    ``response`` is the decoded response (special tokens dropped), e.g. ``"3"`` or ``"3 + 1"``
-    (only ``"3"`` counts); an empty response scores 0.0.
-    """
-    symbols = response.split()
-    return 1.0 if symbols and symbols[0] == answer.strip() else 0.0

@@ -17,6 +17,8 @@ from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 from transformers import Qwen3MoeConfig
 
+from megatron_rl.moe_layers import moe_layer_pattern
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,21 +72,6 @@ def rope_theta(hf_config: Qwen3MoeConfig) -> float:
     if theta is None:
         raise ValueError("the HF config has neither rope_parameters['rope_theta'] nor rope_theta")
     return float(theta)
-
-
-def moe_layer_pattern(hf_config: Qwen3MoeConfig) -> list[int]:
-    """Per layer, 1 for a sparse (MoE) layer and 0 for a dense one, as HF Qwen3-MoE decides."""
-    step = hf_config.decoder_sparse_step
-    dense = set(hf_config.mlp_only_layers or [])
-    return [
-        int(i not in dense and hf_config.num_experts > 0 and (i + 1) % step == 0)
-        for i in range(hf_config.num_hidden_layers)
-    ]
-
-
-def moe_layer_numbers(hf_config: Qwen3MoeConfig) -> list[int]:
-    """Megatron's 1-based layer numbers of the MoE layers (dense layers left out)."""
-    return [i + 1 for i, sparse in enumerate(moe_layer_pattern(hf_config)) if sparse]
 
 
 def shared_expert_size(hf_config: Qwen3MoeConfig) -> int | None:

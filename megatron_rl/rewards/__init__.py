@@ -1,6 +1,7 @@
 """Reward functions (response text, reference answer) -> float, and batch scoring."""
 
 from megatron_rl.rewards.batch import RewardBatch, RewardFn, compute_rewards
+from megatron_rl.rewards.builtin_reward import score_builtin_response
 from megatron_rl.rewards.math_reward import math_reward
 from megatron_rl.rewards.registry import available_rewards, get_reward_fn
 
@@ -11,4 +12,5 @@ __all__ = [
     "compute_rewards",
     "get_reward_fn",
     "math_reward",
+    "score_builtin_response",
 ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from megatron_rl.data.builtin_task import score_builtin_response
 from megatron_rl.rewards.batch import RewardFn
+from megatron_rl.rewards.builtin_reward import score_builtin_response
 from megatron_rl.rewards.math_reward import math_reward
 
 _REWARDS: dict[str, Callable[[str, str], float]] = {

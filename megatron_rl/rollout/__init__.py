@@ -1,14 +1,28 @@
-"""Rollout bridge: engine protocol, in-process engine, SGLang HTTP client, weight sync."""
+"""Rollout bridge: engine protocol, in-process engine, SGLang HTTP client, weight sync.
 
-from megatron_rl.rollout.inprocess import InProcessEngine, InProcessEngineConfig
-from megatron_rl.rollout.protocol import RolloutEngine
-from megatron_rl.rollout.types import EngineHealth, RolloutSample, SamplingParams
+Names are imported on first use, so that light modules of this package (``launch``, ``serve``,
+``http_pool``) start without loading torch or transformers.
+"""
 
-__all__ = [
-    "EngineHealth",
-    "InProcessEngine",
-    "InProcessEngineConfig",
-    "RolloutEngine",
-    "RolloutSample",
-    "SamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {
+    "EngineHealth": "megatron_rl.rollout.types",
+    "InProcessEngine": "megatron_rl.rollout.inprocess",
+    "InProcessEngineConfig": "megatron_rl.rollout.inprocess",
+    "RolloutEngine": "megatron_rl.rollout.protocol",
+    "RolloutSample": "megatron_rl.rollout.types",
+    "SamplingParams": "megatron_rl.rollout.types",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'megatron_rl.rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value

@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
+from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.sglang_payload import decode_generate, generate_request, parse_version
@@ -53,15 +54,10 @@ class SGLangEngineConfig:
 
     @classmethod
     def from_hf_config(cls, hf_config, **kwargs) -> SGLangEngineConfig:
-        dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-        step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-        moe = [
-            i for i in range(hf_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0
-        ]
         return cls(
             num_experts=int(hf_config.num_experts),
             topk=int(hf_config.num_experts_per_tok),
-            num_moe_layers=len(moe),
+            num_moe_layers=len(moe_layer_numbers(hf_config)),
             **kwargs,
         )
 

@@ -285,7 +285,8 @@ class WeightSync:
             self._check(self._on_all("/update_weights_from_tensor", payload), "from_tensor")
 
     def _disk(self, stream, report: SyncReport, version: int) -> None:
-        from megatron_rl.model.conversion.safetensors_io import atomic_write_text, write_checkpoint
+        from megatron_rl.atomic_io import atomic_write_text
+        from megatron_rl.model.conversion.safetensors_io import write_checkpoint
 
         root = os.fspath(self.config.disk_dir)
         final = os.path.join(root, f"weights-v{version}")

@@ -30,32 +30,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_rl.routing.alignment import TokenSources, gather_routes
-from megatron_rl.routing.codec import CODECS, RoutingBlob, RoutingCodec
+from megatron_rl.routing.codec import RoutingBlob, RoutingCodec
+from megatron_rl.routing.modes import REPLAY_MODES, ReplayConfig
 
-REPLAY_MODES = ("off", "r2", "r3")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ReplayConfig:
-    mode: str = "off"
-    record_only: bool = False
-    dtype: str = "auto"  # routing codec for stored routes
-    measure_agreement: bool = True  # one extra router GEMM per MoE layer and forward
-
-    def __post_init__(self) -> None:
-        if self.mode not in REPLAY_MODES:
-            raise ValueError(f"mode={self.mode!r} is unknown; choose one of {REPLAY_MODES}")
-        if self.dtype not in CODECS:
-            raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {CODECS}")
-        if self.record_only and self.mode == "off":
-            raise ValueError("record_only needs mode='r2' or 'r3' (the routes to compare with)")
+__all__ = ["REPLAY_MODES", "ReplayConfig", "RoutingReplay"]
 
 
 class RoutingReplay:

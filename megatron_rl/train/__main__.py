@@ -1,12 +1,16 @@
-"""``python -m megatron_rl.train [flags]``: see ``--help`` and ``megatron_rl/train/config.py``."""
+"""``python -m megatron_rl.train [flags]``: see ``--help`` and ``megatron_rl/train/config.py``.
+
+Flags are parsed and validated before megatron-core, transformers or a model are imported, so
+``--help`` and flag errors answer at once.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 
+from megatron_rl.quiet_imports import quiet_third_party_warnings
 from megatron_rl.train.config import parse_args
-from megatron_rl.train.run import run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)  # noqa: T201 (the CLI's own error channel)
         return 2
+    quiet_third_party_warnings()
+    from megatron_rl.train.run import run  # megatron-core, transformers: after the flags
+
     run(config)
     return 0
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.routing import RoutingBlob
+from megatron_rl.routing.passes import RoutedMicroBatch
 
 
 @dataclass(slots=True)
@@ -39,10 +40,27 @@ class MicroBatch:
 
     tokens_BS: torch.Tensor  # int64 [b, s]
     loss_mask_BT: torch.Tensor  # bool [b, s - 1]: predicted position is a response token
-    rollout_logprobs_BT: torch.Tensor  # float32 [b, s - 1], 0 outside the mask
+    rollout_logprobs_BT: torch.Tensor  # float32 [b, s - 1] on response positions, else 0
     advantages_B: torch.Tensor  # float32 [b]
     lengths: list[int]  # tokens of each row (prompt + response)
     samples: list[TrainSample]
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch with every tensor on ``device`` (the model's); samples stay put."""
+        return MicroBatch(
+            self.tokens_BS.to(device),
+            self.loss_mask_BT.to(device),
+            self.rollout_logprobs_BT.to(device),
+            self.advantages_B.to(device),
+            self.lengths,
+            self.samples,
+        )
+
+    def routed(self) -> RoutedMicroBatch:
+        """What routing replay needs: row lengths, width and the engine's routes per row."""
+        return RoutedMicroBatch(
+            self.lengths, self.tokens_BS.shape[1], [s.routes for s in self.samples]
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +81,19 @@ def make_micro_batch(
     """
     if not samples:
         raise ValueError("a micro-batch needs at least one sample")
+    if multiple_of < 1:
+        raise ValueError(f"multiple_of={multiple_of}: must be >= 1 (the tensor-parallel size)")
+    for i, sample in enumerate(samples):
+        if sample.prompt_ids.numel() == 0:
+            raise ValueError(
+                f"sample {i} has an empty prompt: its first response token has no "
+                "position to be predicted from; every prompt needs >= 1 token"
+            )
+        if sample.rollout_logprobs.shape != sample.response_ids.shape:
+            raise ValueError(
+                f"sample {i}: rollout_logprobs {tuple(sample.rollout_logprobs.shape)} must have "
+                f"one log-prob per response token {tuple(sample.response_ids.shape)}"
+            )
     lengths = [s.length for s in samples]
     seq = max(lengths)
     seq += (-seq) % multiple_of
@@ -83,4 +114,6 @@ def make_micro_batch(
 
 def split(items: Sequence, size: int) -> list[list]:
     """Consecutive chunks of ``size`` (the last one may be shorter)."""
+    if size < 1:
+        raise ValueError(f"size={size}: chunks need at least one item")
     return [list(items[i : i + size]) for i in range(0, len(items), size)]

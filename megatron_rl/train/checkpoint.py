@@ -27,9 +27,10 @@ import shutil
 import time
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl.model.conversion.safetensors_io import atomic_write_text
+from megatron_rl.atomic_io import atomic_write_text, fsync_dir, fsync_file
+from megatron_rl.backend.distributed import initialized_parallel_state
+from megatron_rl.collectives import any_rank, barrier, rank_and_world_size
 from megatron_rl.train.optimizer_state import (
     load_optimizer_state,
     optimizer_difference,
@@ -70,13 +71,13 @@ def save_training_state(
         rl_state_text = json.dumps(rl_state, indent=2, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"rl_state is not JSON-serialisable ({exc}); pass plain types") from exc
-    rank, world_size = _rank_and_world_size()
+    rank, world_size = rank_and_world_size()
     final = os.path.join(save_dir, step_dir_name(step))
     staging = os.path.join(save_dir, f".tmp_{step_dir_name(step)}")
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
         _remove_staging_leftovers(save_dir)
-    _barrier()
+    barrier()
     start = time.perf_counter()
     error: Exception | None = None
     try:
@@ -147,7 +148,7 @@ def load_training_state(load_dir: str, *, model, optimizer, step: int | None = N
             f"available steps: {_complete_steps(load_dir)}"
         )
     folder = os.path.join(load_dir, step_dir_name(step))
-    rank, _ = _rank_and_world_size()
+    rank, _ = rank_and_world_size()
     problem: str | None = None
     shards: dict[str, dict] = {}
     try:
@@ -166,7 +167,7 @@ def load_training_state(load_dir: str, *, model, optimizer, step: int | None = N
                 rl_state = json.load(handle)
     except (OSError, KeyError, RuntimeError, ValueError) as exc:
         problem = f"{folder}: cannot read rank {rank}'s shard ({exc!r})"
-    if _any_rank(problem is not None):
+    if any_rank(problem is not None):
         raise ValueError(problem or f"{folder}: another rank's shard does not match; see its error")
     model.load_state_dict(shards["model"]["model"], strict=True)
     load_optimizer_state(optimizer, shards["optim"]["optimizer"])
@@ -186,17 +187,17 @@ def _commit(save_dir, staging, final, step, rl_state_text, meta, keep_last) -> N
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-    _fsync_dir(staging)
+    fsync_dir(staging)
     replaced = None
     if os.path.exists(final):  # re-saving a step (e.g. after resuming from an older one)
         replaced = os.path.join(save_dir, f".tmp_replaced_{step_dir_name(step)}")
         os.replace(final, replaced)
     os.replace(staging, final)
-    _fsync_dir(save_dir)
+    fsync_dir(save_dir)
     latest = os.path.join(save_dir, LATEST_FILE)
     atomic_write_text(latest, f"{step}\n")
-    _fsync_file(latest)
-    _fsync_dir(save_dir)
+    fsync_file(latest)
+    fsync_dir(save_dir)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     _prune(save_dir, step, keep_last)
@@ -238,39 +239,11 @@ def _is_complete(folder: str, step: int) -> bool:
 def _save(obj: dict, folder: str, kind: str, rank: int) -> int:
     path = os.path.join(folder, f"{kind}_rank{rank:05d}.pt")
     torch.save(obj, path)
-    _fsync_file(path)
+    fsync_file(path)
     return os.path.getsize(path)
 
 
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # --- layout and collectives ------------------------------------------------------------------
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _parallel_state():
-    """megatron's parallel_state when its groups are initialised, else None."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return None
-    return parallel_state if parallel_state.model_parallel_is_initialized() else None
 
 
 _AXES = {
@@ -285,8 +258,8 @@ _AXES = {
 
 def _layout() -> dict[str, int]:
     """World size and megatron's parallel sizes (all 1 without megatron's groups)."""
-    ps = _parallel_state()
-    layout = {"world_size": _rank_and_world_size()[1]}
+    ps = initialized_parallel_state()
+    layout = {"world_size": rank_and_world_size()[1]}
     for name, axis in _AXES.items():
         layout[name] = getattr(ps, f"get_{axis}_world_size")() if ps else 1
     return layout
@@ -294,8 +267,8 @@ def _layout() -> dict[str, int]:
 
 def _coords() -> dict[str, int]:
     """This rank's global rank and its rank along every parallel axis."""
-    ps = _parallel_state()
-    coords = {"rank": _rank_and_world_size()[0]}
+    ps = initialized_parallel_state()
+    coords = {"rank": rank_and_world_size()[0]}
     for name, axis in _AXES.items():
         coords[name] = getattr(ps, f"get_{axis}_rank")() if ps else 0
     return coords
@@ -311,29 +284,11 @@ def _layout_difference(saved: dict, current: dict, folder: str) -> str | None:
     )
 
 
-def _any_rank(flag: bool) -> bool:
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if _is_nccl() else "cpu"
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
 def _raise_if_any_rank_failed(error: Exception | None, what: str) -> None:
-    if _any_rank(error is not None):
+    if any_rank(error is not None):
         if error is not None:
             raise error
         raise RuntimeError(f"another rank failed while {what}; the previous checkpoint is intact")
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _is_nccl() -> bool:
-    return dist.get_backend() == "nccl"
 
 
 # --- state of the model, optimizer and RNGs ---------------------------------------------------

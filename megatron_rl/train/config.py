@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from megatron_rl.losses import (
@@ -24,9 +25,12 @@ from megatron_rl.losses import (
     get_loss_spec,
 )
 from megatron_rl.losses.kl import KL_ESTIMATORS
+from megatron_rl.parallel import ParallelConfig
 from megatron_rl.routing import CODECS
-from megatron_rl.routing.replay import REPLAY_MODES
+from megatron_rl.routing.modes import REPLAY_MODES, ReplayConfig
 from megatron_rl.train.advantages import ADVANTAGE_ESTIMATORS
+from megatron_rl.train.engines import ENGINES, WEIGHT_SYNC_TRANSPORTS, EngineConfig
+from megatron_rl.train.objective import ObjectiveConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,7 +58,7 @@ class TrainConfig:
     seed: int = 1234
     # RL objective
     loss: str = "grpo"
-    loss_params: tuple[tuple[str, float | None], ...] = ()
+    loss_params: tuple[tuple[str, object], ...] = ()  # (name, value): float or str
     loss_agg_mode: str | None = None
     advantage_estimator: str = "grpo"
     filter_zero_variance_groups: bool = False
@@ -103,8 +107,8 @@ class TrainConfig:
             "behavior_logprobs": ("trainer", "rollout"),
             "routing_replay": REPLAY_MODES,
             "routing_dtype": CODECS,
-            "rollout_engine": ("local", "sglang"),
-            "weight_sync_transport": ("distributed", "tensor", "disk"),
+            "rollout_engine": ENGINES,
+            "weight_sync_transport": WEIGHT_SYNC_TRANSPORTS,
             "rollout_dtype": ("float32", "bfloat16"),
             "device": ("auto", "cpu", "cuda"),
             "wandb_mode": ("offline", "online", "disabled"),
@@ -194,6 +198,109 @@ class TrainConfig:
                 f"samples, not a multiple of --global-batch-size {self.global_batch_size}; "
                 "choose them so that N = samples / global batch is an integer"
             )
+
+    # ------------------------------------------------------------------ component configs
+    # The one place where flags become the configs of the components they belong to; every
+    # component (and function) takes only its own config.
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel=self.tensor_model_parallel_size,
+            expert_parallel=self.expert_model_parallel_size,
+            sequence_parallel=self.sequence_parallel,
+            seed=self.seed,
+        )
+
+    def model_options(self):
+        """``ModelOptions`` of the policy (megatron-core side choices)."""
+        from megatron_rl.model.config import ModelOptions
+
+        return ModelOptions(
+            dtype="bfloat16" if self.bf16 else "float32",
+            routing_replay=self.routing_replay != "off",
+            recompute=self.recompute_granularity == "full",
+        )
+
+    def replay_config(self) -> ReplayConfig:
+        return ReplayConfig(
+            mode=self.routing_replay,
+            record_only=self.routing_record_only,
+            dtype=self.routing_dtype,
+        )
+
+    def optimizer_config(self, *, clip_grad: float | None = None):
+        """``OptimizerConfig``; ``clip_grad`` overrides ``--clip-grad`` (see the trainer)."""
+        from megatron_rl.backend.optimizer import OptimizerConfig
+
+        return OptimizerConfig(
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            adam_beta1=self.adam_beta1,
+            adam_beta2=self.adam_beta2,
+            adam_eps=self.adam_eps,
+            clip_grad=self.clip_grad if clip_grad is None else clip_grad,
+        )
+
+    def objective_config(self) -> ObjectiveConfig:
+        return ObjectiveConfig(
+            loss=self.loss,
+            loss_params=self.loss_params,
+            loss_agg_mode=self.loss_agg_mode,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            max_response_length=self.max_response_length,
+        )
+
+    def rollout_config(self):
+        """``RolloutConfig``: sampling, samples per prompt, advantages."""
+        from megatron_rl.train.rollout_phase import RolloutConfig
+
+        return RolloutConfig(
+            n_samples_per_prompt=self.n_samples_per_prompt,
+            max_response_length=self.max_response_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            advantage_estimator=self.advantage_estimator,
+            filter_zero_variance_groups=self.filter_zero_variance_groups,
+        )
+
+    def task_config(self):
+        """``TaskConfig``: the policy checkpoint, prompts and reward."""
+        from megatron_rl.train.setup import TaskConfig
+
+        return TaskConfig(
+            model=self.model,
+            prompt_data=self.prompt_data,
+            tokenizer=self.tokenizer,
+            max_prompt_length=self.max_prompt_length,
+            reward=self.reward,
+            seed=self.seed,
+            tensor_parallel=self.tensor_model_parallel_size,
+        )
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            kind=self.rollout_engine,
+            rollout_dtype=self.rollout_dtype,
+            routing_dtype=self.routing_dtype,
+            sglang_url=self.sglang_url,
+            weight_sync_transport=self.weight_sync_transport,
+            weight_sync_dir=os.path.join(self.run_dir, "weight_sync"),
+            sglang_engine_ranks=self.sglang_engine_ranks,
+        )
+
+    def logger_config(self):
+        """``RunLoggerConfig``: metrics file, wandb, progress bar."""
+        from megatron_rl.train.run_logger import RunLoggerConfig
+
+        return RunLoggerConfig(
+            run_dir=self.run_dir,
+            total_steps=self.train_iters,
+            wandb_project=self.wandb_project,
+            wandb_mode=self.wandb_mode if self.wandb_project else "disabled",
+            wandb_run_name=self.wandb_exp_name,
+            show_progress=self.progress,
+        )
 
     # ------------------------------------------------------------------ derived
     @property
@@ -291,8 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "routing-dtype", choices=CODECS)
     add(g, "routing-record-only", action="store_true")
     h = parser.add_argument_group("loss hyperparameters (each belongs to some --loss)")
-    for name in _loss_hyperparameters():
-        h.add_argument(f"--{_flag(name)}", dest=f"lossparam_{name}", type=_optional_float)
+    for name, kind in _loss_hyperparameters().items():
+        parse = str if kind in (str, "str") else _optional_float
+        h.add_argument(f"--{_flag(name)}", dest=f"lossparam_{name}", type=parse)
 
     g = parser.add_argument_group("rollout")
     add(g, "rollout-engine", choices=("local", "sglang"))

@@ -3,28 +3,56 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig
-from megatron_rl.rollout.http_pool import HttpPoolConfig
-from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
-from megatron_rl.rollout.weight_sync import WeightSyncConfig
-from megatron_rl.train.config import TrainConfig
+ENGINES = ("local", "sglang")
+WEIGHT_SYNC_TRANSPORTS = ("distributed", "tensor", "disk")
 
 
-def build_engine(config: TrainConfig, hf_config, pad_token_id: int, seed: int):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """The rollout engine (built by `TrainConfig.engine_config`)."""
+
+    kind: str = "local"  # "local": the in-process engine; "sglang": SGLang servers over HTTP
+    rollout_dtype: str = "float32"  # the in-process engine's compute dtype
+    routing_dtype: str = "auto"  # codec of the routes the engine returns (R3)
+    sglang_url: tuple[str, ...] = ()
+    weight_sync_transport: str = "distributed"
+    weight_sync_dir: str = "runs/latest/weight_sync"  # the disk transport's folder
+    sglang_engine_ranks: int = 1  # GPUs (TP ranks) of each SGLang server
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINES:
+            raise ValueError(f"EngineConfig.kind={self.kind!r}: choose one of {ENGINES}")
+        if self.weight_sync_transport not in WEIGHT_SYNC_TRANSPORTS:
+            raise ValueError(
+                f"EngineConfig.weight_sync_transport={self.weight_sync_transport!r}: choose one "
+                f"of {WEIGHT_SYNC_TRANSPORTS}"
+            )
+        if self.kind == "sglang" and not self.sglang_url:
+            raise ValueError("EngineConfig: kind='sglang' needs at least one sglang_url")
+
+
+def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
     """The in-process engine (embedded default) or the SGLang client (clusters)."""
-    if config.rollout_engine == "local":
+    if config.kind == "local":
+        from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig
+
         engine_config = InProcessEngineConfig(
             dtype=config.rollout_dtype,
             routing_codec=config.routing_dtype,
             pad_token_id=pad_token_id,
         )
         return InProcessEngine.from_hf_config(hf_config, engine_config, seed=seed)
+    from megatron_rl.rollout.http_pool import HttpPoolConfig
+    from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_rl.rollout.weight_sync import WeightSyncConfig
+
     sync = WeightSyncConfig(
         transport=config.weight_sync_transport,
-        disk_dir=os.path.join(config.run_dir, "weight_sync"),  # used by the disk transport
+        disk_dir=config.weight_sync_dir,
         backend="nccl" if torch.cuda.is_available() else "gloo",
         master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # trainer rank 0's node
         engine_ranks=config.sglang_engine_ranks,

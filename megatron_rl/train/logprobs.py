@@ -23,15 +23,19 @@ def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
 def token_logprobs(
     logits_BSv: torch.Tensor, tokens_BS: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """``[b, s - 1]`` log-probs of ``tokens[:, 1:]`` under ``softmax(logits[:, :-1] / T)``."""
-    logits = logits_BSv[:, :-1].float()
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    target = tokens_BS[:, 1:]
+    """``[b, s - 1]`` log-probs of ``tokens[:, 1:]`` under ``softmax(logits[:, :-1] / T)``.
+
+    ``logits_BSv`` is left untouched (megatron's kernel works in place on its input, so it gets
+    its own copy even when no transpose or dtype cast would make one, e.g. ``b = 1`` in fp32).
+    """
     # megatron's kernel wants [s, b, v]; it returns the per-token cross-entropy (= -log p)
-    nll_TB = tensor_parallel.vocab_parallel_cross_entropy(
-        logits.transpose(0, 1).contiguous(), target.transpose(0, 1).contiguous()
-    )
+    logits_TBv = logits_BSv[:, :-1].transpose(0, 1).float()
+    if temperature not in (0.0, 1.0):
+        logits_TBv = logits_TBv / temperature  # a new tensor
+    elif logits_TBv.untyped_storage().data_ptr() == logits_BSv.untyped_storage().data_ptr():
+        logits_TBv = logits_TBv.clone(memory_format=torch.contiguous_format)
+    target_TB = tokens_BS[:, 1:].transpose(0, 1).contiguous()
+    nll_TB = tensor_parallel.vocab_parallel_cross_entropy(logits_TBv.contiguous(), target_TB)
     return -nll_TB.transpose(0, 1)
 
 

@@ -13,8 +13,9 @@ import signal
 import threading
 from collections.abc import Iterable
 
-import torch
 import torch.distributed as dist
+
+from megatron_rl.collectives import any_rank
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +48,7 @@ class PreemptionHandler:
 
         Every rank of the group must call it at the same point of the loop.
         """
-        flag = self._requested
-        if dist.is_available() and dist.is_initialized():
-            device = "cpu"
-            if dist.get_backend(group) == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-            flag = bool(value.item())
+        flag = any_rank(self._requested, group)
         if flag and not self._requested:
             logger.warning("another rank received a stop signal; stopping at this step")
         elif flag and self._received is not None:

@@ -10,20 +10,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_rl.backend.distributed import initialized_parallel_state
+
 logger = logging.getLogger(__name__)
 
 
-def _parallel_state():
-    """megatron's parallel_state when its groups are initialised, else None."""
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return None
-    return parallel_state if parallel_state.model_parallel_is_initialized() else None
-
-
 def _rng_tracker():
-    if _parallel_state() is None:
+    if initialized_parallel_state() is None:
         return None
     from megatron.core import tensor_parallel
 

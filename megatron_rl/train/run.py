@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_rl.train.checkpoint import load_training_state, save_training_state
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.preemption import PreemptionHandler
-from megatron_rl.train.run_logger import RunLogger, RunLoggerConfig, plot_learning_curve
+from megatron_rl.train.run_logger import RunLogger, plot_learning_curve
 from megatron_rl.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -34,14 +34,7 @@ def run(config: TrainConfig, **dist_kwargs) -> dict:
                 trainer.load_state_dict(state)
                 logger.info("resumed from %s at step %d", config.load, trainer.step_index)
         is_main = dist.get_rank() == 0
-        log_config = RunLoggerConfig(
-            run_dir=config.run_dir,
-            total_steps=config.train_iters,
-            wandb_project=config.wandb_project,
-            wandb_mode=config.wandb_mode if config.wandb_project else "disabled",
-            wandb_run_name=config.wandb_exp_name,
-            show_progress=config.progress,
-        )
+        log_config = config.logger_config()
         run_config = dataclasses.asdict(config)
         with (
             RunLogger(
@@ -52,13 +45,9 @@ def run(config: TrainConfig, **dist_kwargs) -> dict:
             while trainer.step_index < config.train_iters:
                 last = trainer.step()
                 run_logger.log(trainer.step_index, last)
-                if trainer._bad_steps >= config.max_bad_steps:
+                if trainer.nonfinite.exhausted:
                     _save(trainer, config)
-                    raise TrainingStopped(
-                        f"{trainer._bad_steps} consecutive updates had non-finite log-probs or "
-                        f"gradients; stopped at step {trainer.step_index} and saved the last good "
-                        "state (lower --lr, check the data, or raise --max-bad-steps)"
-                    )
+                    raise TrainingStopped(trainer.nonfinite.stop_message(trainer.step_index))
                 interval = config.save_interval
                 if interval and trainer.step_index % interval == 0:
                     _save(trainer, config)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.model.conversion.safetensors_io import atomic_write_text
+from megatron_rl.atomic_io import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from megatron_rl.data import (
     BuiltinTaskConfig,
@@ -15,10 +16,22 @@ from megatron_rl.model import preset_config
 from megatron_rl.model.config import load_hf_config
 from megatron_rl.model.presets import PRESET_NAMES
 from megatron_rl.rewards import get_reward_fn
-from megatron_rl.train.config import TrainConfig
 
 
-def build_task(config: TrainConfig):
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskConfig:
+    """The policy checkpoint, prompts and reward (built by `TrainConfig.task_config`)."""
+
+    model: str = "tiny"  # a preset name or a HF Qwen3-MoE checkpoint folder
+    prompt_data: str | None = None  # None: the built-in task
+    tokenizer: str | None = None  # default: the --model folder
+    max_prompt_length: int | None = None
+    reward: str = "builtin"
+    seed: int = 1234
+    tensor_parallel: int = 1  # the toy presets' vocabulary is padded to a multiple of it
+
+
+def build_task(config: TaskConfig):
     """``(tokenizer, prompt records, reward function, prompt sampler)``."""
     if config.prompt_data is None:
         tokenizer, records = builtin_task(BuiltinTaskConfig(seed=config.seed))
@@ -37,13 +50,13 @@ def build_task(config: TrainConfig):
     return tokenizer, records, get_reward_fn(config.reward), sampler
 
 
-def load_policy_config(config: TrainConfig, tokenizer):
+def load_policy_config(config: TaskConfig, tokenizer):
     """``(hf_config, checkpoint folder or None)`` for ``--model`` (a preset or a folder)."""
     if config.model in PRESET_NAMES:
         overrides = {}
         if config.model.startswith("tiny"):
             # size the toy model's vocabulary to the tokenizer, divisible by tensor parallelism
-            multiple = 8 * config.tensor_model_parallel_size
+            multiple = 8 * config.tensor_parallel
             overrides["vocab_size"] = -(-tokenizer.vocab_size // multiple) * multiple
         hf_config, folder = preset_config(config.model, **overrides), None
     elif os.path.isdir(config.model):

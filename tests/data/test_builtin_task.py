@@ -9,12 +9,11 @@ from megatron_rl.data import (
     BuiltinTaskConfig,
     Tokenizer,
     builtin_task,
-    score_builtin_response,
     uniform_policy_accuracy,
 )
-from megatron_rl.data.builtin_task import BOS_ID, EOS_ID, PAD_ID, SYMBOLS
+from megatron_rl.data.builtin_tokenizer import BOS_ID, EOS_ID, PAD_ID, SYMBOLS
 from megatron_rl.model import preset_config
-from megatron_rl.rewards import compute_rewards, get_reward_fn
+from megatron_rl.rewards import compute_rewards, get_reward_fn, score_builtin_response
 
 
 def test_token_ids_are_stable_and_fit_the_tiny_preset():

@@ -9,7 +9,6 @@ import torch
 from qwen3_moe_testing import make_hf_checkpoint, tiny_config
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
 from megatron_rl.model import build_model, load_hf_config
 from megatron_rl.model.conversion import (
     RankLayout,
@@ -20,13 +19,6 @@ from megatron_rl.model.conversion import (
 )
 from megatron_rl.model.conversion.safetensors_io import CheckpointReader, write_checkpoint
 from megatron_rl.model.conversion.transforms import fuse, shard, split, unshard
-
-
-@pytest.fixture
-def ws1(tmp_path):
-    init_distributed(ParallelConfig(), init_method=f"file://{tmp_path}/rdzv", device="cpu")
-    yield
-    destroy_distributed()
 
 
 def _tensors(folder) -> dict[str, torch.Tensor]:

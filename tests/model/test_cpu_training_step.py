@@ -6,16 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
 from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
 from megatron_rl.model import build_model, causal_lm_logits, preset_config
 
 
 @pytest.fixture
-def ws1(tmp_path):
-    init_distributed(ParallelConfig(seed=7), init_method=f"file://{tmp_path}/rdzv", device="cpu")
-    yield
-    destroy_distributed()
+def ws1_seed() -> int:
+    return 7
 
 
 def test_adamw_steps_reduce_loss_on_fixed_batch(ws1):

@@ -13,18 +13,10 @@ from qwen3_moe_testing import (
     tiny_config,
 )
 
-from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
 from megatron_rl.model import build_model
 from megatron_rl.model.conversion import load_checkpoint
 
 ATOL = 1e-5
-
-
-@pytest.fixture
-def ws1(tmp_path):
-    init_distributed(ParallelConfig(), init_method=f"file://{tmp_path}/rdzv", device="cpu")
-    yield
-    destroy_distributed()
 
 
 @pytest.mark.parametrize(

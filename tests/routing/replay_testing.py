@@ -6,7 +6,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
-from megatron_rl.model.config import moe_layer_numbers
+from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.routing.replay import ReplayConfig, RoutingReplay
 
 

@@ -6,15 +6,12 @@ import pytest
 import torch
 from replay_testing import chosen_experts, logits_of, make_driver, perturb_routers, tiny_moe
 
-from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
 from megatron_rl.routing.replay import ReplayConfig
 
 
 @pytest.fixture
-def ws1(tmp_path):
-    init_distributed(ParallelConfig(seed=3), init_method=f"file://{tmp_path}/rdzv", device="cpu")
-    yield
-    destroy_distributed()
+def ws1_seed() -> int:
+    return 3
 
 
 def _tokens(config, batch=2, seq=12, seed=0):

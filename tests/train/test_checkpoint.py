@@ -24,10 +24,8 @@ from megatron_rl.train.checkpoint import latest_step, load_training_state, save_
 
 
 @pytest.fixture
-def ws1(tmp_path):
-    init_distributed(ParallelConfig(seed=7), init_method=f"file://{tmp_path}/rdzv", device="cpu")
-    yield
-    destroy_distributed()
+def ws1_seed() -> int:
+    return 7
 
 
 def _linear(seed: int):

@@ -40,6 +40,7 @@ def test_every_loss_trains_end_to_end(tmp_path, monkeypatch):
     try:
         for name in PAPER_LOSSES:
             trainer.config = dataclasses.replace(trainer.config, loss=name)
+            trainer.objective = trainer.config.objective_config()
             metrics = trainer.step()
             assert all(v == v for v in metrics.values()), name  # no NaN metric
             assert metrics["grad_norm"] > 0, name
@@ -169,10 +170,13 @@ def test_non_finite_updates_are_skipped_then_stop_the_run_with_a_checkpoint(tmp_
 
     monkeypatch.setattr(trainer_module, "token_logprobs", poisoned)
     config = small_config(tmp_path, train_iters=10, max_bad_steps=3, save=str(tmp_path / "ckpt"))
-    with pytest.raises(TrainingStopped, match="4 consecutive updates had non-finite"):
+    with pytest.raises(TrainingStopped, match="3 consecutive updates had non-finite"):
         run(config, **rendezvous(tmp_path))
     rows = _metrics(tmp_path)
     assert rows[0]["update/skipped_nonfinite"] == 2.0  # N = 2 updates per step, both skipped
+    # the limit is checked per update: the third bad update stops the run's updates at once
+    assert rows[1]["update/skipped_nonfinite"] == 1.0
+    assert rows[1]["update/skipped_stopping"] == 1.0
     assert int((tmp_path / "ckpt" / "latest").read_text()) == len(rows) == 2
 
 
@@ -187,7 +191,7 @@ def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
 
     config = small_config(tmp_path)
     tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.seed))
-    hf_config, _ = load_policy_config(config, tokenizer)
+    hf_config, _ = load_policy_config(config.task_config(), tokenizer)
     server = LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=99)).start()
     try:
         sglang = dataclasses.replace(

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from transformers import Qwen3MoeConfig
 
+from megatron_rl.atomic_io import atomic_write_text
 from megatron_rl.model.config import load_hf_config
 from megatron_rl.model.conversion.names import rank_tensor_maps
-from megatron_rl.model.conversion.safetensors_io import atomic_write_text, write_checkpoint
+from megatron_rl.model.conversion.safetensors_io import write_checkpoint
 from megatron_rl.model.conversion.sharding import (
     all_gather,
     model_layout_name,

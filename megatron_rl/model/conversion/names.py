@@ -21,7 +21,8 @@ import dataclasses
 
 from transformers import Qwen3MoeConfig
 
-from megatron_rl.model.config import moe_layer_pattern, shared_expert_size
+from megatron_rl.model.config import shared_expert_size
+from megatron_rl.moe_layers import moe_layer_pattern
 
 LAYOUTS = ("local", "te")
 

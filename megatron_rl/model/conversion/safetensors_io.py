@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from megatron_rl.atomic_io import atomic_write_text, fsync_file
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -71,32 +73,12 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
-        _fsync(tmp)  # the data is on disk before the name points at it
+        fsync_file(tmp)  # the data is on disk before the name points at it
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder (fsynced)."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _fsync(path: str) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
 
 
 def write_checkpoint(

@@ -1,0 +1,127 @@
+"""The R2/R3 policy of an RL step: what each forward pass does with routes, in one place.
+
+An RL step runs a *behaviour* pass (the old-logprob pass, no gradient) over every micro-batch,
+then *update* passes (forward + backward) over the same micro-batches. Per mode:
+
+| mode | behaviour pass                    | update pass                        |
+|------|-----------------------------------|------------------------------------|
+| off  | routers route freely              | routers route freely               |
+| r2   | record this micro-batch's routing | replay the recording (same key)    |
+| r3   | replay the rollout engine's routes | replay the rollout engine's routes |
+
+(``record_only``: the same passes, but nothing is replayed; agreement is measured.) The trainer
+calls `ReplayPasses.behaviour` and `ReplayPasses.update` around each micro-batch's forward (and
+backward) without knowing the mode; `RoutingReplay` underneath drives megatron's ``RouterReplay``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.routing.alignment import local_token_sources
+from megatron_rl.routing.codec import RoutingBlob
+from megatron_rl.routing.modes import ReplayConfig
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenLayout:
+    """How this rank sees a micro-batch's tokens (tensor / sequence parallelism)."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"TokenLayout: tp_rank={self.tp_rank} not in [0, {self.tp_size})")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedMicroBatch:
+    """What routing replay needs of one padded micro-batch ``[b, seq_len]``."""
+
+    lengths: Sequence[int]  # tokens of each row (prompt + response)
+    seq_len: int
+    routes: Sequence[RoutingBlob | None]  # per row: the rollout engine's routes (R3), or None
+
+
+class ReplayPasses:
+    """Context managers for the behaviour and update passes of one micro-batch (any mode)."""
+
+    def __init__(self, driver=None, *, mode: str = "off", layout: TokenLayout | None = None):
+        if (driver is None) != (mode == "off"):
+            raise ValueError(f"mode={mode!r} needs a RoutingReplay driver exactly when not 'off'")
+        self.driver = driver
+        self.mode = mode
+        self.layout = layout or TokenLayout()
+
+    def behaviour(self, key: Hashable, batch: RoutedMicroBatch) -> ContextManager[None]:
+        """Around the old-logprob forward of micro-batch ``key``: R2 records, R3 replays."""
+        if self.mode == "r2":
+            return self.driver.record(key)
+        return self.update(key, batch)
+
+    def update(self, key: Hashable, batch: RoutedMicroBatch) -> ContextManager[None]:
+        """Around an update's forward *and* backward of micro-batch ``key``: R2/R3 replay."""
+        if self.mode == "off":
+            return contextlib.nullcontext()
+        if self.mode == "r2":
+            return self.driver.replay(key=key)
+        return self.driver.replay(routes=self._engine_routes(batch))
+
+    def _engine_routes(self, batch: RoutedMicroBatch) -> list[torch.Tensor]:
+        if any(blob is None for blob in batch.routes):
+            raise RuntimeError(
+                "R3 needs the rollout engine's routes on every sample, and some have none: the "
+                "engine was not asked for routes or did not return them"
+            )
+        sources = local_token_sources(
+            list(batch.lengths),
+            seq_len=batch.seq_len,
+            tp_size=self.layout.tp_size,
+            tp_rank=self.layout.tp_rank,
+            sequence_parallel=self.layout.sequence_parallel,
+        )
+        return self.driver.routes_for_micro_batch(batch.routes, batch.lengths, sources)
+
+    def metrics(self) -> dict[str, float]:
+        """This step's routing metrics (agreement, state bytes); empty when off."""
+        return {} if self.driver is None else self.driver.metrics()
+
+    def end_step(self) -> None:
+        """Drop this step's recordings and counts."""
+        if self.driver is not None:
+            self.driver.end_step()
+
+    def close(self) -> None:
+        if self.driver is not None:
+            self.driver.close()
+
+
+def build_replay_passes(
+    model,
+    config: ReplayConfig,
+    *,
+    num_experts: int,
+    topk: int,
+    moe_layer_numbers: Sequence[int],
+    layout: TokenLayout,
+) -> ReplayPasses:
+    """The passes for ``config.mode``; builds the megatron driver only when replay is on."""
+    if config.mode == "off":
+        return ReplayPasses(layout=layout)
+    from megatron_rl.routing.replay import RoutingReplay  # megatron-core only when needed
+
+    driver = RoutingReplay(
+        model,
+        config,
+        num_experts=num_experts,
+        topk=topk,
+        moe_layer_numbers=moe_layer_numbers,
+    )
+    return ReplayPasses(driver, mode=config.mode, layout=layout)
