@@ -1,6 +1,7 @@
 # Two entry points do all set-up on a fresh machine (Python 3.11, no GPU):
 #   make main   runs the project's main job
 #   make test   lints and runs the test suite (what CI runs)
+#   make test-fast  lint + every test not marked slow (the inner loop, under 2 minutes)
 # Both create .venv/ inside the checkout on first use; torch stays on the 2.13.0 CPU build.
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: main report test lint bench clean
+.PHONY: main report test test-fast lint bench clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,9 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -n 2 -q
+
+test-fast: lint
+	$(PY) -m pytest -n 2 -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) tools/bench_losses.py

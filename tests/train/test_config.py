@@ -75,3 +75,49 @@ def test_world_size_and_batch_divisibility_are_checked_before_building():
 def test_cli_reports_bad_flags_with_exit_code_2(capsys):
     assert main(["--loss", "grpo", "--tau-pos", "1.0"]) == 2
     assert "--tau-pos is not a hyperparameter of --loss grpo" in capsys.readouterr().err
+
+
+def test_string_loss_hyperparameters_parse_and_bad_values_are_named():
+    config = parse_args(["--loss", "epic", "--variant", "plain", "--delta-high", "1e-3"])
+    assert dict(config.loss_params) == {"variant": "plain", "delta_high": 1e-3}
+    assert config.objective_config().loss_params == config.loss_params
+    with pytest.raises(ValueError, match="variant='wide'"):
+        parse_args(["--loss", "epic", "--variant", "wide"])
+    with pytest.raises(ValueError, match="--variant is not a hyperparameter of --loss grpo"):
+        parse_args(["--loss", "grpo", "--variant", "plain"])
+
+
+def test_component_configs_carry_the_flags():
+    argv = "--tensor-model-parallel-size 2 --sequence-parallel --routing-replay r2 --lr 1e-4"
+    argv += " --rollout-batch-size 8 --kl-coef 0.01 --bf16 --run-dir out --temperature 0.7"
+    config = parse_args(argv.split())
+    assert config.parallel_config().tensor_parallel == 2
+    assert config.parallel_config().sequence_parallel is True
+    assert config.replay_config().mode == "r2"
+    assert config.optimizer_config().lr == 1e-4
+    assert config.optimizer_config(clip_grad=0.0).clip_grad == 0.0
+    assert config.objective_config().kl_coef == 0.01
+    assert config.rollout_config().temperature == 0.7
+    assert config.task_config().tensor_parallel == 2
+    assert config.engine_config().weight_sync_dir.endswith("weight_sync")
+    assert config.logger_config().run_dir == "out"
+    assert config.model_options().dtype == "bfloat16"
+
+
+def test_help_answers_without_importing_megatron_or_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from megatron_rl.train.__main__ import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = [m for m in ('megatron.core', 'transformers') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert "--routing-replay" in out.stdout
+    assert "HEAVY []" in out.stdout
+    assert "Warning" not in out.stderr
