@@ -47,3 +47,13 @@ def test_two_gloo_ranks_agree_sum_and_average():
 
     with tempfile.TemporaryDirectory() as tmp:
         spawn_ranks(_collectives_worker, tmp, 2)
+
+
+def test_an_nccl_group_gets_tensors_on_the_current_cuda_device(monkeypatch):
+    """NCCL rejects CPU tensors: the device follows the group's backend (checked without a GPU)."""
+    monkeypatch.setattr(collectives, "is_distributed", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collectives.group_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert collectives.group_device() == torch.device("cpu")

@@ -1,6 +1,8 @@
 """Routing replay: routed-expert codecs, memory accounting, token alignment and the R2/R3 driver.
 
-``megatron_rl.routing.replay`` imports megatron-core; the rest is pure torch.
+``modes`` (replay modes and `ReplayConfig`) and ``passes`` (the R2/R3 policy of each pass) import
+megatron-core only when a driver is built; ``megatron_rl.routing.replay`` (the driver of megatron's
+``RouterReplay``) imports it; the rest is pure torch.
 """
 
 from megatron_rl.routing.alignment import TokenSources, gather_routes, local_token_sources

@@ -119,7 +119,11 @@ class RoutingReplay:
                 f"got routes for {len(routes_per_layer)} MoE layers, this rank has "
                 f"{len(self.routers)} (layers {self.layer_numbers})"
             )
-        self._targets = [t.to(torch.int64) for t in routes_per_layer]
+        # on each router's device: decoded routes arrive on the CPU, the router may be on CUDA
+        self._targets = [
+            t.to(device=router.weight.device, dtype=torch.int64)
+            for t, router in zip(routes_per_layer, self.routers, strict=True)
+        ]
         self._pushed += 1
         if not self.config.record_only:
             for router, target in zip(self.routers, self._targets, strict=True):
