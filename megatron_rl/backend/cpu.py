@@ -25,9 +25,12 @@ comments say where 0.19 no longer needs one, the rest apply to both):
 5. Alltoall dispatcher split sizes: on GPU they are moved to host numpy arrays; CPU tensors were
    left as tensors, which gloo's ``all_to_all_single`` rejects. The dispatcher's
    ``maybe_move_tensor_to_cpu`` is replaced by one that always returns numpy when asked (0.16-0.19).
-The sequence-parallel norm (shim 6, torch's fallback norm refuses sequence parallelism) is a
-layer-spec swap that applies to any run without Transformer Engine: see ``backend/norm.py``.
-The optimizer choice (megatron's optimizers allocate on 'cuda') lives in ``backend/optimizer.py``.
+6. Tensor factories with a literal ``device="cuda"`` (megatron's optimizer, grad scaler, grad
+   clipping and grad buffers) allocate on the CPU; with shim 7 (``Tensor.type()`` names, held
+   only around optimizer calls) this runs megatron's own optimizer, distributed included: see
+   ``backend/cpu_optimizer.py`` (0.16-0.19).
+The sequence-parallel norm (torch's fallback norm refuses sequence parallelism) is a layer-spec
+swap that applies to any run without Transformer Engine: see ``backend/norm.py``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ import types
 from typing import Any
 
 import torch
+
+from megatron_rl.backend.cpu_optimizer import CPU_FACTORIES, cpu_factory
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +72,13 @@ _MEGATRON_MODULES = (
     "megatron.core.distributed",
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.utils",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.distributed.param_and_grad_buffer",
 )
 
 _TE_MISSING_IN_MOE_UTILS = (
@@ -203,11 +215,14 @@ class _CudaOnCpu(types.ModuleType):
 
 
 class _TorchForMegatron(types.ModuleType):
-    """A ``torch`` that differs from the real one only in its ``cuda`` attribute."""
+    """A ``torch`` that differs from the real one in its ``cuda`` attribute and in tensor
+    factories, which allocate on the CPU when asked for ``device="cuda"`` (shim 6)."""
 
     def __init__(self) -> None:
         super().__init__("torch")
         self.cuda = _CudaOnCpu()
+        for name in CPU_FACTORIES:
+            setattr(self, name, cpu_factory(getattr(torch, name)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)

@@ -1,26 +1,34 @@
-"""The one place that chooses the optimizer: megatron's distributed Adam on GPU, AdamW on CPU.
+"""The policy's optimizer: megatron-core's own, on GPU and on CPU alike.
 
-Both paths share everything else: the model is wrapped in megatron-core's
-``DistributedDataParallel`` (contiguous grad buffers, ``main_grad``), and megatron's
-``finalize_model_grads`` all-reduces data-parallel, sequence-parallel-norm and embedding grads.
-On CPU, megatron's optimizers allocate on 'cuda' and its grad clipping asserts CUDA tensor types,
-so the step is a plain ``torch.optim.AdamW`` over the parameters, reading ``main_grad``.
+The model is wrapped in megatron-core's ``DistributedDataParallel`` (contiguous fp32 grad
+buffers, ``main_grad``), and the update is ``get_megatron_optimizer``: Adam with fp32 master
+weights for bf16 parameters, megatron's distributed optimizer (optimizer state sharded over the
+data-parallel ranks) when ``use_distributed_optimizer``, and global-norm clipping over every
+tensor/expert/pipeline-parallel group. On CPU the same code runs through the confined shims of
+``backend/cpu_optimizer.py``, so tests exercise what GPUs run.
+
+Non-finite gradients are the one thing megatron does not catch here: with bf16/fp32 and no loss
+scale it builds no grad scaler, and ``step()`` applies a NaN gradient and reports success with a
+NaN norm. `PolicyOptimizer.step` therefore checks the reduced gradient buffers first (every rank
+decides the same) and skips the update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
 
-from megatron_rl.backend.cpu import cuda_available
+from megatron_rl.backend.cpu import cpu_backend_active
+from megatron_rl.backend.cpu_optimizer import cuda_type_names
 from megatron_rl.collectives import all_ranks_agree
 
 logger = logging.getLogger(__name__)
@@ -36,112 +44,110 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True  # shard Adam state over data-parallel ranks
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"OptimizerConfig.lr={self.lr}: must be > 0")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"OptimizerConfig.lr={self.lr}: must be finite and > 0")
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"OptimizerConfig.{name}={value}: must be in [0, 1)")
         if self.weight_decay < 0 or self.adam_eps <= 0:
             raise ValueError("OptimizerConfig: weight_decay must be >= 0 and adam_eps > 0")
+        if not math.isfinite(self.clip_grad):
+            raise ValueError(f"OptimizerConfig.clip_grad={self.clip_grad}: must be finite")
 
 
-def wrap_for_training(model: torch.nn.Module) -> DistributedDataParallel:
-    """megatron-core DDP around ``model`` (grad buffers in fp32, distributed optimizer on GPU)."""
+def wrap_for_training(
+    model: torch.nn.Module, *, use_distributed_optimizer: bool = True
+) -> DistributedDataParallel:
+    """megatron-core DDP around ``model`` (fp32 grad buffers; sharded for the distributed
+    optimizer, which must then be chosen in `OptimizerConfig` too)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        use_distributed_optimizer=cuda_available(),
+        use_distributed_optimizer=use_distributed_optimizer,
         overlap_grad_reduce=False,
     )
     return DistributedDataParallel(model.config, ddp_config, model)
 
 
 class PolicyOptimizer:
-    """``zero_grad()`` before the microbatches, ``step()`` after their backward passes."""
+    """``zero_grad()`` before the micro-batches, ``step()`` after their backward passes."""
 
     def __init__(self, model: DistributedDataParallel, config: OptimizerConfig) -> None:
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        sharded_buffers = model.ddp_config.use_distributed_optimizer
+        if sharded_buffers != config.use_distributed_optimizer:
+            raise ValueError(
+                f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} "
+                f"but the model was wrapped with use_distributed_optimizer={sharded_buffers}; "
+                "pass the same choice to wrap_for_training"
+            )
         self.model = model
         self.config = config
-        self._megatron = None
-        self._torch = None
-        if cuda_available():
-            from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-            from megatron.core.optimizer import get_megatron_optimizer
+        megatron_config = MegatronOptimizerConfig(
+            optimizer="adam",
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2,
+            adam_eps=config.adam_eps,
+            clip_grad=max(config.clip_grad, 0.0),
+            bf16=model.config.bf16,
+            params_dtype=model.config.params_dtype,
+            use_distributed_optimizer=config.use_distributed_optimizer,
+        )
+        with self._megatron_calls():
+            self.inner = get_megatron_optimizer(megatron_config, [model])
+        logger.info(
+            "optimizer: megatron %s Adam", "distributed" if sharded_buffers else "non-distributed"
+        )
 
-            self._megatron = get_megatron_optimizer(
-                MegatronOptimizerConfig(
-                    optimizer="adam",
-                    lr=config.lr,
-                    weight_decay=config.weight_decay,
-                    adam_beta1=config.adam_beta1,
-                    adam_beta2=config.adam_beta2,
-                    adam_eps=config.adam_eps,
-                    clip_grad=max(config.clip_grad, 0.0),
-                    bf16=model.config.bf16,
-                    params_dtype=model.config.params_dtype,
-                    use_distributed_optimizer=True,
-                ),
-                [model],
-            )
-        else:
-            mp_size = parallel_state.get_model_parallel_group().size()
-            ep_size = parallel_state.get_expert_model_parallel_world_size()
-            if config.clip_grad > 0 and (mp_size > 1 or ep_size > 1):
-                raise ValueError(
-                    "OptimizerConfig.clip_grad > 0 on CPU needs model-parallel size 1 (the global "
-                    "grad norm over TP/EP shards is megatron's CUDA-only code); set clip_grad=0"
-                )
-            self._torch = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad],
-                lr=config.lr,
-                betas=(config.adam_beta1, config.adam_beta2),
-                eps=config.adam_eps,
-                weight_decay=config.weight_decay,
-            )
-        logger.info("optimizer: %s", "megatron distributed Adam" if self._megatron else "AdamW")
-
-    @property
-    def inner(self):
-        """The optimizer doing the update: megatron's (GPU) or ``torch.optim.AdamW`` (CPU)."""
-        return self._megatron or self._torch
+    @staticmethod
+    def _megatron_calls():
+        """The CPU shim megatron's optimizer needs around each call (nothing on GPU)."""
+        return cuda_type_names() if cpu_backend_active() else contextlib.nullcontext()
 
     @property
     def param_groups(self) -> list[dict]:
-        return (self._megatron or self._torch).param_groups
+        return self.inner.param_groups
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
-        (self._megatron or self._torch).zero_grad()
+        self.inner.zero_grad()
 
     def step(self) -> float | None:
-        """Finalise grads (DP/SP/embedding all-reduces), clip, update; returns the grad norm.
+        """Finalise grads (DP/SP/embedding reductions), clip, update; returns the grad norm.
 
-        When any gradient is non-finite on any rank, nothing is updated and None is returned
-        (every rank decides the same; the caller zeroes the gradients and logs the skip).
+        When any gradient is non-finite on any rank, nothing is updated and None is returned on
+        every rank (the caller zeroes the gradients and counts the skip).
         """
         finalize_model_grads([self.model])
-        if self._megatron is not None:
-            update_successful, grad_norm, _ = self._megatron.step()
-            return float(grad_norm) if update_successful and grad_norm is not None else None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for param in params:
-            main_grad = getattr(param, "main_grad", None)
-            if main_grad is not None:
-                param.grad = (
-                    main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
-                )
-        grads = [p.grad for p in params if p.grad is not None]
-        grad_norm = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in grads]))
-        if not all_ranks_agree(bool(torch.isfinite(grad_norm))):
+        if not all_ranks_agree(self._grads_finite()):
             return None
-        if self.config.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad)
-        self._torch.step()
+        with self._megatron_calls():
+            succeeded, grad_norm, _ = self.inner.step()
+        if not succeeded or grad_norm is None or not math.isfinite(grad_norm):
+            raise RuntimeError(
+                f"megatron's optimizer step returned success={succeeded}, grad norm={grad_norm} "
+                "after finite gradients: the update may be partial; stop and resume from the last "
+                "checkpoint"
+            )
         return float(grad_norm)
+
+    def _grads_finite(self) -> bool:
+        """Whether this rank's reduced gradient buffers hold only finite values."""
+        buffers = self.model.buffers + self.model.expert_parallel_buffers
+        return all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in buffers)
+
+    def state_dict(self) -> dict:
+        with self._megatron_calls():
+            return self.inner.state_dict()
 
 
 def build_optimizer(model: DistributedDataParallel, config: OptimizerConfig) -> PolicyOptimizer:
-    """The optimizer for this device (see the module docstring)."""
+    """megatron-core's optimizer for ``model`` (see the module docstring)."""
     return PolicyOptimizer(model, config)

@@ -52,6 +52,7 @@ class TrainConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -227,8 +228,8 @@ class TrainConfig:
             dtype=self.routing_dtype,
         )
 
-    def optimizer_config(self, *, clip_grad: float | None = None):
-        """``OptimizerConfig``; ``clip_grad`` overrides ``--clip-grad`` (see the trainer)."""
+    def optimizer_config(self):
+        """``OptimizerConfig`` of megatron's optimizer (the same on CPU and GPU)."""
         from megatron_rl.backend.optimizer import OptimizerConfig
 
         return OptimizerConfig(
@@ -237,7 +238,8 @@ class TrainConfig:
             adam_beta1=self.adam_beta1,
             adam_beta2=self.adam_beta2,
             adam_eps=self.adam_eps,
-            clip_grad=self.clip_grad if clip_grad is None else clip_grad,
+            clip_grad=self.clip_grad,
+            use_distributed_optimizer=self.use_distributed_optimizer,
         )
 
     def objective_config(self) -> ObjectiveConfig:
@@ -384,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(g, name)
     for name in ("lr", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "adam-eps"):
         add(g, name)
+    add(g, "use-distributed-optimizer", action="store_true", help="shard Adam state over DP ranks")
 
     g = parser.add_argument_group("RL objective")
     add(g, "loss", choices=available_losses())

@@ -64,8 +64,10 @@ class Trainer:
             from megatron_rl.model.conversion import load_checkpoint
 
             load_checkpoint(model, checkpoint_dir, self.hf_config)
-        self.model = wrap_for_training(model)
-        self.optimizer = build_optimizer(self.model, self._optimizer_config())
+        self.model = wrap_for_training(
+            model, use_distributed_optimizer=config.use_distributed_optimizer
+        )
+        self.optimizer = build_optimizer(self.model, config.optimizer_config())
         self.objective = config.objective_config()
         self.rollout_config = config.rollout_config()
         self.reference = self._build_reference(options) if config.kl_coef > 0 else None
@@ -250,17 +252,6 @@ class Trainer:
         _accumulate(metrics, loss_metrics, 1.0 / self.config.updates_per_rollout)
 
     # ------------------------------------------------------------------ helpers
-    def _optimizer_config(self):
-        clip = None
-        model_parallel = self.config.tensor_model_parallel_size
-        model_parallel *= self.config.expert_model_parallel_size
-        if self.device.type == "cpu" and model_parallel > 1 and self.config.clip_grad > 0:
-            logger.warning(
-                "--clip-grad is ignored on CPU with tensor/expert parallelism (CUDA-only)"
-            )
-            clip = 0.0
-        return self.config.optimizer_config(clip_grad=clip)
-
     def _build_reference(self, options):
         """A frozen copy of the initial policy for the KL term (no routing replay)."""
         reference = build_model(self.hf_config, dataclasses.replace(options, routing_replay=False))

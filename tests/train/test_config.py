@@ -95,7 +95,8 @@ def test_component_configs_carry_the_flags():
     assert config.parallel_config().sequence_parallel is True
     assert config.replay_config().mode == "r2"
     assert config.optimizer_config().lr == 1e-4
-    assert config.optimizer_config(clip_grad=0.0).clip_grad == 0.0
+    assert config.optimizer_config().use_distributed_optimizer is False
+    assert parse_args(["--use-distributed-optimizer"]).optimizer_config().use_distributed_optimizer
     assert config.objective_config().kl_coef == 0.01
     assert config.rollout_config().temperature == 0.7
     assert config.task_config().tensor_parallel == 2

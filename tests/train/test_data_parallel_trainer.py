@@ -29,14 +29,16 @@ def _share(samples: list, rank: int, world_size: int, global_batch: int) -> list
     return share
 
 
-def _train_worker(rank, world_size, init_method, tmp_dir, samples_path) -> None:
+def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, distributed) -> None:
     from pathlib import Path
 
     from trainer_testing import small_config
 
     from megatron_rl.train.trainer import Trainer
 
-    config = small_config(Path(tmp_dir), loss="grpo", **OVERRIDES)
+    config = small_config(
+        Path(tmp_dir), loss="grpo", use_distributed_optimizer=distributed, **OVERRIDES
+    )
     trainer = Trainer(config, rank=rank, world_size=world_size, init_method=init_method)
     try:
         if world_size == 1:
@@ -62,12 +64,14 @@ def _train_worker(rank, world_size, init_method, tmp_dir, samples_path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_data_parallel_ranks_make_the_single_rank_update(tmp_path):
+@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed_adam"])
+def test_two_data_parallel_ranks_make_the_single_rank_update(tmp_path, distributed):
+    """With megatron's distributed optimizer each rank updates only its shard of the state."""
     samples_path = str(tmp_path / "samples.pt")
     for folder in ("dp1", "dp2"):
         (tmp_path / folder).mkdir()
-    spawn_ranks(_train_worker, tmp_path / "dp1", 1, samples_path)
-    spawn_ranks(_train_worker, tmp_path / "dp2", 2, samples_path)
+    spawn_ranks(_train_worker, tmp_path / "dp1", 1, samples_path, distributed)
+    spawn_ranks(_train_worker, tmp_path / "dp2", 2, samples_path, distributed)
     one = torch.load(tmp_path / "dp1" / "result_ws1_rank0.pt", weights_only=False)
     twos = [
         torch.load(tmp_path / "dp2" / f"result_ws2_rank{r}.pt", weights_only=False)

@@ -71,10 +71,20 @@ def test_routing_replay_modes_run_and_report_state_and_agreement(tmp_path, repla
     assert os.path.exists(tmp_path / "run" / "learning_curve.png")
 
 
-def test_resume_equals_an_uninterrupted_run(tmp_path):
-    straight = small_config(tmp_path / "a", train_iters=4, save=str(tmp_path / "a" / "ckpt"))
+@pytest.mark.parametrize(
+    "optimizer",
+    [{}, {"use_distributed_optimizer": True, "bf16": True}],
+    ids=["adam_fp32", "distributed_adam_bf16"],
+)
+def test_resume_equals_an_uninterrupted_run(tmp_path, optimizer):
+    """Also with what GPUs run: megatron's distributed optimizer over bf16 parameters."""
+    straight = small_config(
+        tmp_path / "a", train_iters=4, save=str(tmp_path / "a" / "ckpt"), **optimizer
+    )
     run(straight, **rendezvous(tmp_path, "rdzv_a"))
-    first = small_config(tmp_path / "b", train_iters=2, save=str(tmp_path / "b" / "ckpt"))
+    first = small_config(
+        tmp_path / "b", train_iters=2, save=str(tmp_path / "b" / "ckpt"), **optimizer
+    )
     run(first, **rendezvous(tmp_path, "rdzv_b1"))
     resumed = dataclasses.replace(first, train_iters=4, load=first.save)
     run(resumed, **rendezvous(tmp_path, "rdzv_b2"))

@@ -17,7 +17,7 @@ BATCH = 2
 
 
 def build_tiny(seed: int, clip_grad: float = 1.0):
-    """(hf_config, DDP-wrapped tiny megatron model, AdamW optimizer); groups must be initialised."""
+    """(hf_config, DDP-wrapped tiny megatron model, megatron optimizer); groups initialised."""
     from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
     from megatron_rl.model import build_model, preset_config
 
@@ -46,10 +46,15 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 
 def adam_state(optimizer) -> list[dict[str, torch.Tensor]]:
-    """Per-parameter AdamW state tensors (exp_avg, exp_avg_sq, step), cloned, in param order."""
-    inner = optimizer._torch
-    params = [p for group in inner.param_groups for p in group["params"]]
-    return [{k: v.clone() for k, v in inner.state[p].items()} for p in params]
+    """Per-parameter Adam state tensors (exp_avg, exp_avg_sq, step), cloned, in param order."""
+    from megatron_rl.train.optimizer_state import inner_optimizers
+
+    out = []
+    for inner in inner_optimizers(optimizer):
+        adam = inner.optimizer  # the torch Adam inside megatron's optimizer (fp32 main params)
+        params = [p for group in adam.param_groups for p in group["params"]]
+        out.extend({k: v.clone() for k, v in adam.state[p].items()} for p in params)
+    return out
 
 
 def same_tensors(a: dict, b: dict) -> bool:

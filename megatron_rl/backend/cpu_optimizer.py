@@ -1,0 +1,88 @@
+"""megatron-core's own optimizer (plain and distributed) on the CPU, through two confined shims.
+
+The GPU path runs ``get_megatron_optimizer``: mixed-precision master weights, the distributed
+optimizer's sharded state, global-norm clipping over every model-parallel group, its checkpoint
+format. So that the same code runs in CPU tests, two obstacles of megatron-core 0.16-0.19 are
+removed, both confined to megatron-core:
+
+1. Tensor factories with ``device="cuda"``. ``optimizer.py``, ``distrib_optimizer.py``,
+   ``clip_grads.py``, ``grad_scaler.py`` and ``param_and_grad_buffer.py`` allocate flags, norms
+   and scales with a literal ``device='cuda'``. The ``torch`` proxy that the CPU backend gives
+   megatron's modules (see ``backend/cpu.py``) maps that device to the CPU in ``tensor``,
+   ``zeros``, ``ones``, ``empty``, ``full``, ``arange`` and their ``*_like`` forms
+   (`CPU_FACTORIES`); the real ``torch`` is untouched.
+2. Tensor type names. megatron checks ``param.type()`` against ``'torch.cuda.FloatTensor'`` (and
+   the half/bf16 names) when it builds its parameter groups and before clipping. Inside
+   `cuda_type_names` a CPU tensor's ``type()`` (no arguments) reports the CUDA name. This is a
+   process-wide patch of ``torch.Tensor.type``, so it is held only around the optimizer's
+   construction, ``step()`` and state-dict calls (`PolicyOptimizer` does that), never longer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+CPU_FACTORIES = (
+    "tensor",
+    "zeros",
+    "ones",
+    "empty",
+    "full",
+    "arange",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+)
+
+_LOCK = threading.RLock()
+_DEPTH = [0]
+_REAL_TYPE = torch.Tensor.type
+
+
+def _on_cpu(device: Any) -> Any:
+    """``device`` with every CUDA device replaced by the CPU (None and CPU pass through)."""
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def cpu_factory(factory: Callable) -> Callable:
+    """``factory`` that allocates on the CPU whenever it is asked for a CUDA device."""
+
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _on_cpu(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    allocate.__name__ = getattr(factory, "__name__", "factory")
+    return allocate
+
+
+def _cuda_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs):
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _REAL_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _REAL_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_type_names() -> Iterator[None]:
+    """Within the block, ``cpu_tensor.type()`` reads ``'torch.cuda.FloatTensor'`` etc."""
+    with _LOCK:
+        if _DEPTH[0] == 0:
+            torch.Tensor.type = _cuda_type
+        _DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH[0] -= 1
+            if _DEPTH[0] == 0:
+                torch.Tensor.type = _REAL_TYPE

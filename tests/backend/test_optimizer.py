@@ -1,0 +1,96 @@
+"""megatron-core's optimizer on CPU: the path GPUs run (plain and distributed Adam, fp32 and
+bf16), non-finite gradients skipped, and shims that stay inside megatron."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.backend.cpu_optimizer import cuda_type_names
+from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
+from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
+
+LAYOUTS = [
+    {"distributed": False, "dtype": "float32"},
+    {"distributed": True, "dtype": "float32"},
+    {"distributed": True, "dtype": "bfloat16"},
+]
+
+
+def _tiny(distributed: bool, dtype: str):
+    torch.manual_seed(0)
+    config = preset_config("tiny")
+    model = wrap_for_training(
+        build_model(config, ModelOptions(dtype=dtype)), use_distributed_optimizer=distributed
+    )
+    optimizer = build_optimizer(
+        model, OptimizerConfig(lr=1e-2, clip_grad=1.0, use_distributed_optimizer=distributed)
+    )
+    return config, model, optimizer
+
+
+def _backward(model, vocab_size: int, poison: bool = False) -> None:
+    tokens = torch.randint(0, vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits = causal_lm_logits(model, tokens[:, :-1]).float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), tokens[:, 1:].ravel())
+    (loss * float("nan") if poison else loss).backward()
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x['dtype']}_dist{x['distributed']}")
+def test_megatron_optimizer_updates_and_skips_a_nan_gradient(ws1, layout):
+    config, model, optimizer = _tiny(**layout)
+    inner = optimizer.inner.chained_optimizers[0]
+    assert type(inner).__name__ == (
+        "DistributedOptimizer"
+        if layout["distributed"]
+        else "FP32Optimizer"
+        if layout["dtype"] == "float32"
+        else "Float16OptimizerWithFloat16Params"
+    )
+    before = _params(model)
+    optimizer.zero_grad()
+    _backward(model, config.vocab_size, poison=True)
+    assert optimizer.step() is None  # megatron alone reports (True, nan) and applies it
+    after = _params(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(torch.isfinite(p).all() for p in after.values())
+
+    optimizer.zero_grad()
+    _backward(model, config.vocab_size)
+    grad_norm = optimizer.step()
+    assert grad_norm is not None and 0 < grad_norm < float("inf")
+    moved = _params(model)
+    assert any(not torch.equal(before[n], moved[n]) for n in before)
+
+
+def test_a_model_wrapped_for_one_optimizer_refuses_the_other(ws1):
+    model = wrap_for_training(build_model(preset_config("tiny")), use_distributed_optimizer=False)
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        build_optimizer(model, OptimizerConfig(use_distributed_optimizer=True))
+
+
+def test_the_cpu_shims_stay_inside_megatron(ws1):
+    real_type = torch.Tensor.type
+    with cuda_type_names():
+        assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+        assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.zeros(1).type(torch.float64).dtype == torch.float64  # conversions still work
+    assert torch.Tensor.type is real_type
+    assert torch.zeros(1).type() == "torch.FloatTensor"
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.zeros(1, device="cuda")  # the real torch still refuses CUDA here
+    from megatron.core.optimizer import clip_grads
+
+    assert clip_grads.torch.zeros(1, device="cuda").device.type == "cpu"  # megatron's view
+
+
+def test_bad_optimizer_settings_name_the_field():
+    with pytest.raises(ValueError, match="lr=inf"):
+        OptimizerConfig(lr=float("inf"))
+    with pytest.raises(ValueError, match="clip_grad=nan"):
+        OptimizerConfig(clip_grad=float("nan"))
