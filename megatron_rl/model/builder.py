@@ -1,8 +1,9 @@
 """Build the megatron-core `GPTModel` of a Qwen3-MoE config, and run it as a causal LM.
 
-Layer spec: Transformer Engine when TE is importable and the process computes on CUDA, the local
-(megatron-core only) spec otherwise. Both hold the same weights; `conversion.names` maps either
-set of parameter names to the HF names.
+Layer spec: Transformer Engine on CUDA (an error naming the fix when TE is missing, unless the
+local spec is asked for), the local (megatron-core only) spec on CPU. With TE, megatron's TE
+fusions are on (rope, MoE permute, gradient-accumulation into ``main_grad``). Both specs hold the
+same weights; `conversion.names` maps either set of parameter names to the HF names.
 """
 
 from __future__ import annotations
@@ -20,12 +21,8 @@ from transformers import Qwen3MoeConfig
 
 from megatron_rl.backend import cuda_available
 from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_norm_in_spec
-from megatron_rl.model.config import (
-    ModelOptions,
-    load_hf_config,
-    rope_theta,
-    to_transformer_config,
-)
+from megatron_rl.model.config import ModelOptions, rope_theta, to_transformer_config
+from megatron_rl.model.presets import load_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -44,30 +41,43 @@ def te_available() -> bool:
 
 
 def resolve_spec(spec: str) -> str:
-    """ "auto" -> "te" or "local"; validates the name."""
+    """ "auto" -> "te" on CUDA, "local" on CPU; validates the name and the installation.
+
+    On CUDA, "auto" without Transformer Engine is an error: the local spec would run unfused
+    ``S x S`` attention and one GEMM per expert (out of memory at 16k tokens on an 80 GB GPU).
+    Ask for ``spec="local"`` to accept that.
+    """
     if spec not in SPECS:
         raise ValueError(f"spec={spec!r}: choose one of {SPECS}")
-    if spec == "auto":
-        return "te" if te_available() else "local"
-    if spec == "te" and not te_available():
-        raise ValueError("spec='te' needs Transformer Engine and CUDA; use spec='local'")
-    return spec
+    if spec == "auto" and not cuda_available():
+        return "local"
+    if spec in ("auto", "te") and not te_available():
+        raise ValueError(
+            "CUDA without Transformer Engine: install it (pip install -e '.[gpu]', i.e. "
+            "transformer-engine[pytorch]) or choose the local spec explicitly "
+            "(--transformer-impl local / spec='local': unfused attention, looped experts, far "
+            "more activation memory)"
+            if spec == "auto"
+            else "spec='te' needs Transformer Engine and CUDA; use spec='local'"
+        )
+    return "te" if spec == "auto" else spec
 
 
 def build_model(
     hf_config: Qwen3MoeConfig | str | os.PathLike,
     options: ModelOptions | None = None,
     *,
-    spec: str = "auto",
+    spec: str | None = None,
 ) -> GPTModel:
     """The megatron-core GPTModel of ``hf_config`` for this rank's pipeline stage and shards.
 
     ``parallel_state`` must be initialised (`megatron_rl.backend.init_distributed`). Weights are
     randomly initialised; load them with `megatron_rl.model.conversion.load_hf_checkpoint`.
+    ``spec`` overrides ``options.spec`` (see `resolve_spec`).
     """
     hf_config = load_hf_config(hf_config)
     options = options or ModelOptions()
-    use_te = resolve_spec(spec) == "te"
+    use_te = resolve_spec(options.spec if spec is None else spec) == "te"
     tp = parallel_state.get_tensor_model_parallel_world_size()
     ep = parallel_state.get_expert_model_parallel_world_size()
     if hf_config.vocab_size % tp:

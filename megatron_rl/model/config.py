@@ -7,8 +7,6 @@ Parallel sizes are read from megatron-core's ``parallel_state`` (initialise it f
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any
 
 import torch
@@ -32,8 +30,11 @@ class ModelOptions:
     aux_loss_coeff: float = 0.0
     recompute: bool = False
     token_dispatcher: str = "alltoall"
+    spec: str = "auto"  # layer spec: "auto" (TE on CUDA, local on CPU), "te" or "local"
 
     def __post_init__(self) -> None:
+        if self.spec not in ("auto", "te", "local"):
+            raise ValueError(f"ModelOptions.spec={self.spec!r}: choose 'auto', 'te' or 'local'")
         if self.dtype not in _DTYPES:
             raise ValueError(f"ModelOptions.dtype={self.dtype!r}: choose one of {list(_DTYPES)}")
         if self.aux_loss_coeff < 0:
@@ -47,20 +48,6 @@ class ModelOptions:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
-
-
-def load_hf_config(config: Qwen3MoeConfig | str | os.PathLike) -> Qwen3MoeConfig:
-    """Accept a config object, a ``config.json`` path or a checkpoint folder holding one."""
-    if isinstance(config, Qwen3MoeConfig):
-        return config
-    path = os.fspath(config)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
-    if data.get("model_type") not in (None, "qwen3_moe"):
-        raise ValueError(f"{path}: model_type={data.get('model_type')!r}, expected 'qwen3_moe'")
-    return Qwen3MoeConfig.from_dict(data)
 
 
 def rope_theta(hf_config: Qwen3MoeConfig) -> float:
@@ -144,13 +131,13 @@ def to_transformer_config(
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=shared is not None,
         moe_enable_routing_replay=options.routing_replay,
-        # Fusions need Transformer Engine or apex; the local path leaves all of them off.
+        # Fusions need Transformer Engine (or apex): on with TE, off on the local path.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        moe_permute_fusion=False,
-        gradient_accumulation_fusion=False,
+        apply_rope_fusion=use_te,
+        moe_permute_fusion=use_te,
+        gradient_accumulation_fusion=use_te,
         persist_layer_norm=False,
         **extra,
     )

@@ -5,6 +5,8 @@ Unknown names raise ValueError listing the known ones (an explicit allowlist).
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from transformers import Qwen3MoeConfig
@@ -72,3 +74,17 @@ def preset_config(name: str, **overrides: Any) -> Qwen3MoeConfig:
     rope_theta = kwargs.pop("rope_theta")
     kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
     return Qwen3MoeConfig(**kwargs)
+
+
+def load_hf_config(config: Qwen3MoeConfig | str | os.PathLike) -> Qwen3MoeConfig:
+    """Accept a config object, a ``config.json`` path or a checkpoint folder holding one."""
+    if isinstance(config, Qwen3MoeConfig):
+        return config
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path, encoding="utf-8") as handle:
+        data = json.load(handle)
+    if data.get("model_type") not in (None, "qwen3_moe"):
+        raise ValueError(f"{path}: model_type={data.get('model_type')!r}, expected 'qwen3_moe'")
+    return Qwen3MoeConfig.from_dict(data)

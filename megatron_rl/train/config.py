@@ -32,6 +32,8 @@ from megatron_rl.train.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.train.engines import ENGINES, WEIGHT_SYNC_TRANSPORTS, EngineConfig
 from megatron_rl.train.objective import ObjectiveConfig
 
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
@@ -45,6 +47,7 @@ class TrainConfig:
     device: str = "auto"
     bf16: bool = False
     recompute_granularity: str | None = None
+    transformer_impl: str = "auto"  # auto: Transformer Engine on CUDA, local on CPU
     # optimisation
     train_iters: int = 80  # RL steps, one rollout each
     micro_batch_size: int = 32
@@ -65,6 +68,7 @@ class TrainConfig:
     filter_zero_variance_groups: bool = False
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
+    reference_offload: bool = True  # CUDA: the KL reference's weights wait in host memory
     rollout_correction: str = "none"
     behavior_logprobs: str = "trainer"  # the loss's old log-probs: trainer recompute or engine
     routing_replay: str = "off"
@@ -112,6 +116,7 @@ class TrainConfig:
             "weight_sync_transport": WEIGHT_SYNC_TRANSPORTS,
             "rollout_dtype": ("float32", "bfloat16"),
             "device": ("auto", "cpu", "cuda"),
+            "transformer_impl": TRANSFORMER_IMPLS,
             "wandb_mode": ("offline", "online", "disabled"),
         }
         for name, allowed in choices.items():
@@ -219,6 +224,7 @@ class TrainConfig:
             dtype="bfloat16" if self.bf16 else "float32",
             routing_replay=self.routing_replay != "off",
             recompute=self.recompute_granularity == "full",
+            spec={"transformer_engine": "te"}.get(self.transformer_impl, self.transformer_impl),
         )
 
     def replay_config(self) -> ReplayConfig:
@@ -380,6 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "device", choices=("auto", "cpu", "cuda"))
     add(g, "bf16", action="store_true")
     add(g, "recompute-granularity", type=str, choices=("full",))
+    add(
+        g,
+        "transformer-impl",
+        choices=TRANSFORMER_IMPLS,
+        help="layer spec; auto: transformer_engine on CUDA (error if missing), local on CPU",
+    )
 
     g = parser.add_argument_group("optimisation (Megatron names)")
     for name in ("train-iters", "micro-batch-size", "global-batch-size", "seed"):
@@ -395,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "filter-zero-variance-groups", action="store_true")
     add(g, "kl-coef")
     add(g, "kl-estimator", choices=KL_ESTIMATORS)
+    g.add_argument(
+        "--no-reference-offload",
+        dest="reference_offload",
+        action="store_false",
+        help="keep the KL reference model on the GPU (default: host memory between uses)",
+    )
     add(g, "rollout-correction", choices=("none", *ROLLOUT_CORRECTIONS))
     add(g, "behavior-logprobs", choices=("trainer", "rollout"))
     add(g, "routing-replay", choices=REPLAY_MODES)

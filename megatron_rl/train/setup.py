@@ -13,8 +13,7 @@ from megatron_rl.data import (
     load_tokenizer,
 )
 from megatron_rl.model import preset_config
-from megatron_rl.model.config import load_hf_config
-from megatron_rl.model.presets import PRESET_NAMES
+from megatron_rl.model.presets import PRESET_NAMES, load_hf_config
 from megatron_rl.rewards import get_reward_fn
 
 

@@ -12,6 +12,7 @@ tensor the model, the loss or a collective sees is on ``self.device``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -34,6 +35,7 @@ from megatron_rl.train.engines import build_engine
 from megatron_rl.train.logprobs import forward_logits, token_entropy, token_logprobs
 from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
+from megatron_rl.train.reference import ReferencePolicy
 from megatron_rl.train.rollout_phase import run_rollout
 from megatron_rl.train.setup import build_task, load_policy_config
 
@@ -168,7 +170,8 @@ class Trainer:
         """
         out, gaps, entropies = [], [], []
         self.model.eval()
-        with torch.no_grad():
+        resident = self.reference.resident() if self.reference else contextlib.nullcontext()
+        with torch.no_grad(), resident:
             for j, minibatch in enumerate(batches):
                 row = []
                 for i, mb in enumerate(minibatch):
@@ -203,8 +206,7 @@ class Trainer:
             )
             entry.update(weights=correction.weights, mask=correction.loss_mask)
         if self.reference is not None:
-            ref_logits = forward_logits(self.reference, mb.tokens_BS)
-            entry["ref"] = token_logprobs(ref_logits, mb.tokens_BS, config.temperature)
+            entry["ref"] = self.reference.logprobs(mb.tokens_BS, config.temperature)
         return entry
 
     def _update(self, j: int, minibatch: list[MicroBatch], behaviour: list[dict], metrics) -> None:
@@ -252,12 +254,11 @@ class Trainer:
         _accumulate(metrics, loss_metrics, 1.0 / self.config.updates_per_rollout)
 
     # ------------------------------------------------------------------ helpers
-    def _build_reference(self, options):
+    def _build_reference(self, options) -> ReferencePolicy:
         """A frozen copy of the initial policy for the KL term (no routing replay)."""
         reference = build_model(self.hf_config, dataclasses.replace(options, routing_replay=False))
         reference.load_state_dict(self.model.module.state_dict(), strict=False)
-        reference.eval().requires_grad_(False)
-        return reference
+        return ReferencePolicy(reference, self.device, offload=self.config.reference_offload)
 
     def sync_weights(self, version: int) -> None:
         """Push the policy to the engine as weight ``version`` (every rank streams its shard)."""

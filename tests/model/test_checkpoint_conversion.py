@@ -190,3 +190,42 @@ def test_convert_tool_round_trip_is_exact(tmp_path):
     assert "decoder.layers.1.mlp.linear_fc1.weight" in _tensors(tmp_path / "meg")
     assert sorted(original) == sorted(back)
     assert all(torch.equal(t, back[n]) for n, t in original.items())
+
+
+def _with_extra_state(module: torch.nn.Module) -> None:
+    """Give ``module`` a Transformer-Engine-like ``_extra_state`` entry (FP8 metadata blob)."""
+
+    class WithExtraState(type(module)):
+        def get_extra_state(self):
+            return torch.zeros(3, dtype=torch.uint8)
+
+        def set_extra_state(self, state):
+            del state
+
+    module.__class__ = WithExtraState
+
+
+def test_te_extra_state_entries_are_not_weights(ws1, tmp_path):
+    """TE modules carry ``*._extra_state`` in their state dict; loading and exporting skip it."""
+    config = tiny_config()
+    make_hf_checkpoint(str(tmp_path / "hf"), config)
+    model = build_model(config)
+    _with_extra_state(model.decoder.layers[0].self_attention.linear_proj)
+    assert "decoder.layers.0.self_attention.linear_proj._extra_state" in model.state_dict()
+    load_checkpoint(model, tmp_path / "hf", config)
+    save_checkpoint(model, config, tmp_path / "hf2", fmt="hf")
+    original, back = _tensors(tmp_path / "hf"), _tensors(tmp_path / "hf2")
+    assert sorted(original) == sorted(back)
+    assert all(torch.equal(tensor, back[name]) for name, tensor in original.items())
+
+
+def test_cuda_without_transformer_engine_names_the_fix(monkeypatch):
+    from megatron_rl.model import builder
+
+    monkeypatch.setattr(builder, "cuda_available", lambda: True)
+    monkeypatch.setattr(builder, "te_available", lambda: False)
+    with pytest.raises(ValueError, match=r"transformer-engine.*--transformer-impl local"):
+        builder.resolve_spec("auto")
+    assert builder.resolve_spec("local") == "local"  # asked for explicitly
+    monkeypatch.setattr(builder, "cuda_available", lambda: False)
+    assert builder.resolve_spec("auto") == "local"  # CPU: the local spec is the only one

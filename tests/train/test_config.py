@@ -122,3 +122,10 @@ def test_help_answers_without_importing_megatron_or_transformers():
     assert "--routing-replay" in out.stdout
     assert "HEAVY []" in out.stdout
     assert "Warning" not in out.stderr
+
+
+def test_transformer_impl_chooses_the_layer_spec():
+    assert parse_args([]).model_options().spec == "auto"
+    assert parse_args(["--transformer-impl", "local"]).model_options().spec == "local"
+    te = parse_args(["--transformer-impl", "transformer_engine"])
+    assert te.model_options().spec == "te"

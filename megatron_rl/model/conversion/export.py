@@ -19,7 +19,6 @@ from megatron.core import parallel_state
 from transformers import Qwen3MoeConfig
 
 from megatron_rl.atomic_io import atomic_write_text
-from megatron_rl.model.config import load_hf_config
 from megatron_rl.model.conversion.names import rank_tensor_maps
 from megatron_rl.model.conversion.safetensors_io import write_checkpoint
 from megatron_rl.model.conversion.sharding import (
@@ -30,6 +29,7 @@ from megatron_rl.model.conversion.sharding import (
     with_expert,
 )
 from megatron_rl.model.conversion.transforms import split, unshard
+from megatron_rl.model.presets import load_hf_config
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import Qwen3MoeConfig
 
-from megatron_rl.model.config import load_hf_config
 from megatron_rl.model.conversion.names import (
     expected_canonical_shapes,
     expected_hf_shapes,
@@ -26,6 +25,7 @@ from megatron_rl.model.conversion.sharding import (
     shard_coords,
 )
 from megatron_rl.model.conversion.transforms import fuse, shard
+from megatron_rl.model.presets import load_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,22 @@ def validate_checkpoint(
         )
 
 
+EXTRA_STATE_SUFFIX = "._extra_state"
+
+
+def weight_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state-dict tensors that hold weights.
+
+    Transformer Engine modules add ``<module>._extra_state`` entries (their FP8 scaling metadata,
+    a serialised blob): they have no HF name and are not weights, so they are left out.
+    """
+    return {
+        name: value
+        for name, value in model.state_dict(keep_vars=True).items()
+        if torch.is_tensor(value) and not name.endswith(EXTRA_STATE_SUFFIX)
+    }
+
+
 def load_checkpoint(
     model: torch.nn.Module,
     folder: str | os.PathLike,
@@ -98,7 +114,7 @@ def load_checkpoint(
         raise ValueError(f"fmt={fmt!r}: choose 'auto' or one of {FORMATS}")
     rank = model_rank_layout(model)
     maps = rank_tensor_maps(cfg, model_layout_name(model), rank)
-    params = {k: v for k, v in model.state_dict(keep_vars=True).items() if torch.is_tensor(v)}
+    params = weight_entries(model)
     unmapped = set(params) - {m.param for m in maps}
     unknown = {m.param for m in maps} - set(params)
     if unmapped or unknown:

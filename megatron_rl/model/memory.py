@@ -1,0 +1,894 @@
+"""Per-GPU memory of a Qwen3-MoE training layout on megatron-core, with a fits / no-fit verdict.
+
+Exact (counted from the architecture and megatron-core's parameter layout):
+
+* parameters, split into *dense* (attention, norms, router, shared experts, embedding on the first
+  pipeline stage, output layer + final norm on the last; tensor-parallel where megatron splits
+  them) and *expert* (routed experts: ``E / EP`` local experts, each split by ETP), in the param
+  dtype. Counts per stage come from `stage_params`;
+* gradient buffers: megatron DDP with ``grad_reduce_in_fp32=True`` keeps one fp32 ``main_grad``
+  per local parameter (not sharded, also with the distributed optimizer), in a dense buffer and,
+  when EP > 1, an expert buffer. With the distributed optimizer megatron pads each parameter's
+  start to 64 elements and each bucket's end to ``lcm(group, 128)``, and moves the parameters
+  into a padded buffer of the same layout: `megatron_buffer` replays that layout (megatron-core
+  0.16, ``overlap_grad_reduce=False``: one bucket per buffer);
+* optimizer state: Adam ``m`` and ``v`` in fp32, plus an fp32 master copy when params are bf16.
+  With the distributed optimizer each bucket is cut into equal shards over its group, the
+  data-parallel x context-parallel group for the dense buffer and the expert-data-parallel group
+  ``world / (ETP * EP * PP)`` for the expert one (megatron puts expert params in the dense buffer
+  when EP == 1, so then they shard like dense ones); a rank keeps state for the parameter
+  elements inside its shard, and the plan reports the fullest rank;
+* routing-replay state (`megatron_rl.routing.memory`): R2 recordings live on the GPU, R3 routes
+  travel with the samples on the host; plus the int64 targets of the live micro-batch;
+* reference model (KL): its parameters, in the policy's param dtype, when kept on the GPU.
+
+Estimated (see `layer_activation_bytes`): activations, the micro-batch logits, the fp32 log-prob /
+entropy chunk, and a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+
+This module reads a HF config's attributes only; it imports neither megatron-core nor
+transformers (`load_model_config` imports transformers to build a config by name).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import os
+from typing import Any
+
+from megatron_rl.moe_layers import moe_layer_pattern
+from megatron_rl.parallel import ParallelConfig
+from megatron_rl.routing.codec import CODECS, RoutingCodec
+from megatron_rl.routing.memory import local_counts
+
+GIB = 1024**3
+DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
+RECOMPUTE = ("full", "none")
+REFERENCE = ("off", "gpu", "cpu")
+REPLAY = ("off", "r2", "r3")
+
+# Shapes that have no preset in `megatron_rl.model.presets` (same keys as its entries).
+EXTRA_MODELS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen3-235B-A22B's config.json shape.
+    "qwen3-235b-a22b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        moe_intermediate_size=1536,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def load_model_config(model: str | os.PathLike):
+    """A HF ``Qwen3MoeConfig``: a preset name, a name in `EXTRA_MODELS`, or a checkpoint folder."""
+    from megatron_rl.model.presets import PRESET_NAMES, load_hf_config, preset_config
+
+    name = os.fspath(model)
+    if name in PRESET_NAMES:
+        return preset_config(name)
+    if name in EXTRA_MODELS:
+        from transformers import Qwen3MoeConfig
+
+        kwargs = dict(EXTRA_MODELS[name])
+        theta = kwargs.pop("rope_theta")
+        return Qwen3MoeConfig(
+            rope_parameters={"rope_type": "default", "rope_theta": theta}, **kwargs
+        )
+    if not os.path.exists(name):
+        known = ", ".join((*PRESET_NAMES, *EXTRA_MODELS))
+        raise ValueError(f"model {name!r} is neither a known name ({known}) nor a path")
+    return load_hf_config(name)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------- architecture
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """What the memory plan needs of a HF Qwen3-MoE config."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense-layer FFN (mlp_only_layers)
+    moe_intermediate_size: int
+    num_experts: int
+    topk: int
+    shared_expert_size: int = 0  # 0: no shared expert
+    attention_bias: bool = False
+    tied_embeddings: bool = False
+    moe_pattern: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, config) -> ModelShape:
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        return cls(
+            vocab_size=int(config.vocab_size),
+            hidden_size=int(config.hidden_size),
+            num_layers=int(config.num_hidden_layers),
+            num_heads=int(config.num_attention_heads),
+            num_kv_heads=int(config.num_key_value_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(config.intermediate_size),
+            moe_intermediate_size=int(config.moe_intermediate_size),
+            num_experts=int(getattr(config, "num_experts", 0) or 0),
+            topk=int(config.num_experts_per_tok),
+            shared_expert_size=int(getattr(config, "shared_expert_intermediate_size", 0) or 0),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            moe_pattern=tuple(moe_layer_pattern(config)),
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_pattern)
+
+    # unsplit parameter counts of the pieces of one layer
+    @property
+    def qkv_width(self) -> int:
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def attention_params(self) -> int:
+        """linear_qkv (+ bias) and linear_proj."""
+        h = self.hidden_size
+        bias = self.qkv_width if self.attention_bias else 0
+        return self.qkv_width * h + bias + self.num_heads * self.head_dim * h
+
+    def norm_params(self) -> int:
+        """input and pre-MLP RMSNorm (hidden) + q/k RMSNorm (head_dim)."""
+        return 2 * self.hidden_size + 2 * self.head_dim
+
+    def expert_params(self) -> int:
+        """One routed expert: SwiGLU fc1 (gate + up) and fc2."""
+        return 3 * self.moe_intermediate_size * self.hidden_size
+
+    def shared_expert_params(self) -> int:
+        """Shared expert fc1 + fc2 and its sigmoid gate ``[1, hidden]``; 0 when absent."""
+        if not self.shared_expert_size:
+            return 0
+        return 3 * self.shared_expert_size * self.hidden_size + self.hidden_size
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.intermediate_size * self.hidden_size
+
+    def total_params(self, *, active: bool = False) -> int:
+        """Parameters of the whole model (tied embeddings once); ``active``: top-k experts only."""
+        h, n = self.hidden_size, 0
+        for sparse in self.moe_pattern:
+            n += self.attention_params() + self.norm_params()
+            if sparse:
+                experts = self.topk if active else self.num_experts
+                n += self.num_experts * h + experts * self.expert_params()
+                n += self.shared_expert_params()
+            else:
+                n += self.dense_mlp_params()
+        embeddings = 1 if self.tied_embeddings else 2
+        return n + embeddings * self.vocab_size * h + h
+
+
+# ---------------------------------------------------------------------------- layout
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """Parallel sizes (`ParallelConfig`), the data-parallel size and the pipeline layer split."""
+
+    parallel: ParallelConfig
+    data_parallel: int = 1
+    pipeline_layers: tuple[int, ...] | None = None  # layers per stage; None: an even split
+
+    @classmethod
+    def from_world_size(
+        cls,
+        parallel: ParallelConfig,
+        world_size: int,
+        pipeline_layers: tuple[int, ...] | None = None,
+    ) -> Layout:
+        dense = parallel.tensor_parallel * parallel.pipeline_parallel * parallel.context_parallel
+        if world_size < 1 or world_size % dense:
+            raise ValueError(
+                f"world size {world_size} is not a positive multiple of tensor*pipeline*context "
+                f"parallel = {dense}"
+            )
+        return cls(
+            parallel=parallel, data_parallel=world_size // dense, pipeline_layers=pipeline_layers
+        )
+
+    @property
+    def world_size(self) -> int:
+        p = self.parallel
+        return p.tensor_parallel * p.pipeline_parallel * p.context_parallel * self.data_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        p = self.parallel
+        return self.world_size // (
+            p.expert_tensor_parallel * p.expert_parallel * p.pipeline_parallel
+        )
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        pp = self.parallel.pipeline_parallel
+        return self.pipeline_layers or (num_layers // pp,) * pp
+
+    def validate(self, shape: ModelShape) -> None:
+        """ValueError naming the first size that megatron-core would reject."""
+        p = self.parallel
+        tp, ep, etp, pp = (
+            p.tensor_parallel,
+            p.expert_parallel,
+            p.expert_tensor_parallel,
+            p.pipeline_parallel,
+        )
+        if not (isinstance(self.data_parallel, int) and self.data_parallel >= 1):
+            raise ValueError(f"data_parallel={self.data_parallel!r}: must be an integer >= 1")
+        checks = [
+            (shape.num_heads, tp, "num_attention_heads", "tensor parallel"),
+            (shape.num_kv_heads, tp, "num_key_value_heads", "tensor parallel"),
+            (shape.vocab_size, tp, "vocab_size", "tensor parallel"),
+        ]
+        if not all(shape.moe_pattern):
+            checks.append((shape.intermediate_size, tp, "intermediate_size", "tensor parallel"))
+        if shape.shared_expert_size:
+            checks.append(
+                (shape.shared_expert_size, tp, "shared_expert_intermediate_size", "tensor parallel")
+            )
+        if shape.num_moe_layers:
+            checks += [
+                (shape.num_experts, ep, "num_experts", "expert parallel"),
+                (
+                    shape.moe_intermediate_size,
+                    etp,
+                    "moe_intermediate_size",
+                    "expert tensor parallel",
+                ),
+            ]
+        for value, size, what, parallel in checks:
+            if value % size:
+                raise ValueError(f"{what}={value} is not divisible by {parallel} size {size}")
+        expert_model = etp * ep * pp
+        if self.world_size % expert_model:
+            raise ValueError(
+                f"world size {self.world_size} (tp*pp*cp*dp) is not divisible by expert-tensor * "
+                f"expert * pipeline parallel = {etp}*{ep}*{pp}; change EP/ETP or the world size"
+            )
+        if self.pipeline_layers is None:
+            if shape.num_layers % pp:
+                raise ValueError(
+                    f"num_hidden_layers={shape.num_layers} is not divisible by pipeline parallel "
+                    f"size {pp}; give the layers of each stage (pipeline_layers)"
+                )
+            return
+        layers = self.pipeline_layers
+        if len(layers) != pp or sum(layers) != shape.num_layers or min(layers) < 1:
+            raise ValueError(
+                f"pipeline_layers={list(layers)}: need {pp} stages of >= 1 layers summing to "
+                f"{shape.num_layers}"
+            )
+        if len(set(layers[1:-1])) > 1:
+            raise ValueError(
+                f"pipeline_layers={list(layers)}: megatron-core sets the first and last stage "
+                "(decoder_first/last_pipeline_num_layers); the middle stages must be equal"
+            )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamTensor:
+    """One parameter tensor on a GPU, as megatron-core creates it (local spec names)."""
+
+    name: str
+    numel: int
+    expert: bool = False  # a routed expert's weight (megatron: ``allreduce=False`` when EP > 1)
+    shared_embedding: bool = False  # tied word embedding split over pipeline stages
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageParams:
+    """Parameter counts on one GPU of pipeline stage ``stage``."""
+
+    stage: int
+    layers: int
+    moe_layers: int
+    dense: int  # attention, norms, router, shared experts, embedding / output layer
+    expert: int  # routed experts
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def stage_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTensor]:
+    """This GPU's parameter tensors of ``stage`` in megatron-core's ``named_parameters`` order
+    (local spec; the TE spec holds the same tensors, with the norms fused into the linears)."""
+    p = layout.parallel
+    tp, ep, etp, pp = (
+        p.tensor_parallel,
+        p.expert_parallel,
+        p.expert_tensor_parallel,
+        p.pipeline_parallel,
+    )
+    per_stage = layout.stage_layers(shape.num_layers)
+    first = sum(per_stage[:stage])
+    h, d = shape.hidden_size, shape.head_dim
+    tied_split = shape.tied_embeddings and pp > 1
+    out: list[ParamTensor] = []
+    if stage == 0:
+        out.append(
+            ParamTensor(
+                "embedding.word_embeddings.weight", shape.vocab_size * h // tp, False, tied_split
+            )
+        )
+    for offset, sparse in enumerate(shape.moe_pattern[first : first + per_stage[stage]]):
+        prefix = f"decoder.layers.{offset}."
+        # norms are replicated; linear_qkv is column-parallel, linear_proj row-parallel
+        out += [
+            ParamTensor(prefix + "input_layernorm.weight", h),
+            ParamTensor(
+                prefix + "self_attention.linear_proj.weight", shape.num_heads * d * h // tp
+            ),
+            ParamTensor(prefix + "self_attention.linear_qkv.weight", shape.qkv_width * h // tp),
+        ]
+        if shape.attention_bias:
+            out.append(
+                ParamTensor(prefix + "self_attention.linear_qkv.bias", shape.qkv_width // tp)
+            )
+        out += [
+            ParamTensor(prefix + "self_attention.q_layernorm.weight", d),
+            ParamTensor(prefix + "self_attention.k_layernorm.weight", d),
+            ParamTensor(prefix + "pre_mlp_layernorm.weight", h),
+        ]
+        if sparse:
+            f = shape.moe_intermediate_size // etp
+            out.append(ParamTensor(prefix + "mlp.router.weight", shape.num_experts * h))
+            for e in range(shape.num_experts // ep):
+                expert = f"{prefix}mlp.experts.local_experts.{e}."
+                out += [
+                    ParamTensor(expert + "linear_fc1.weight", 2 * f * h, True),
+                    ParamTensor(expert + "linear_fc2.weight", h * f, True),
+                ]
+            if shape.shared_expert_size:  # gate replicated, fc1 / fc2 tensor-parallel
+                fs = shape.shared_expert_size // tp
+                out += [
+                    ParamTensor(prefix + "mlp.shared_experts.gate_weight", h),
+                    ParamTensor(prefix + "mlp.shared_experts.linear_fc1.weight", 2 * fs * h),
+                    ParamTensor(prefix + "mlp.shared_experts.linear_fc2.weight", h * fs),
+                ]
+        else:
+            ffn = shape.intermediate_size // tp
+            out += [
+                ParamTensor(prefix + "mlp.linear_fc1.weight", 2 * ffn * h),
+                ParamTensor(prefix + "mlp.linear_fc2.weight", h * ffn),
+            ]
+    if stage == pp - 1:
+        out.append(ParamTensor("decoder.final_layernorm.weight", h))
+        if not (shape.tied_embeddings and pp == 1):  # tied: the last stage holds a copy
+            out.append(
+                ParamTensor("output_layer.weight", shape.vocab_size * h // tp, False, tied_split)
+            )
+    return out
+
+
+def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
+    """Exact local parameter counts of a GPU of ``stage`` (megatron-core GPTModel layout)."""
+    tensors = stage_tensors(shape, layout, stage)
+    first = sum(layout.stage_layers(shape.num_layers)[:stage])
+    layers = layout.stage_layers(shape.num_layers)[stage]
+    return StageParams(
+        stage,
+        layers,
+        sum(shape.moe_pattern[first : first + layers]),
+        sum(t.numel for t in tensors if not t.expert),
+        sum(t.numel for t in tensors if t.expert),
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GradBuffer:
+    """One megatron-core ``_ParamAndGradBuffer``: where each parameter sits, and the padding."""
+
+    expert: bool  # DDP's ``expert_parallel_buffers`` (sharded over expert data parallel)
+    group_size: int  # the data-parallel group its buckets are reduced / sharded over
+    numel: int  # with padding
+    param_numel: int  # parameter elements (numel - param_numel is padding)
+    param_ranges: tuple[tuple[int, int], ...]  # ascending
+    param_is_expert: tuple[bool, ...]  # per range
+    buckets: tuple[tuple[int, int], ...]
+
+    def shard_numel(self, rank: int) -> tuple[int, int]:
+        """(dense, expert) parameter elements in ``rank``'s distributed-optimizer shard: each
+        bucket is cut into ``group_size`` equal ranges, and a rank keeps optimizer state for the
+        parts of parameters inside its range (padding gets none)."""
+        counts = [0, 0]
+        for start, end in self.buckets:
+            size = (end - start) // self.group_size
+            lo, hi = start + rank * size, start + (rank + 1) * size
+            i = max(bisect.bisect_right(self.param_ranges, (lo, math.inf)) - 1, 0)
+            while i < len(self.param_ranges) and self.param_ranges[i][0] < hi:
+                first, last = self.param_ranges[i]
+                counts[self.param_is_expert[i]] += max(0, min(hi, last) - max(lo, first))
+                i += 1
+        return counts[0], counts[1]
+
+    def fullest_shard(self) -> tuple[int, int]:
+        """`shard_numel` of the rank with the most parameter elements."""
+        return max((self.shard_numel(r) for r in range(self.group_size)), key=sum)
+
+
+def megatron_buffer(
+    tensors: list[ParamTensor], group_size: int, distributed: bool, expert: bool
+) -> GradBuffer:
+    """megatron-core 0.16 ``_ParamAndGradBuffer`` layout with ``overlap_grad_reduce=False`` (one
+    bucket, plus its own for a pipeline-split tied embedding): parameters in reverse order; with
+    the distributed optimizer each start is padded to 64 elements and each bucket end to
+    ``lcm(group, 128)``."""
+    divisor = math.lcm(group_size, 128)
+    buckets: list[tuple[int, int]] = []
+    ranges: list[tuple[int, int]] = []
+    kinds: list[bool] = []
+    state = {"bucket_start": 0, "count": 0}
+
+    def close(param_end: int) -> int:
+        end = _ceil_div(param_end, divisor) * divisor if distributed else param_end
+        buckets.append((state["bucket_start"], end))
+        state["bucket_start"], state["count"] = end, 0
+        return end
+
+    start = end = bucket_end = 0
+    for tensor in reversed(tensors):
+        own_bucket = tensor.shared_embedding and distributed
+        if distributed:
+            start = _ceil_div(start, 64) * 64
+        if own_bucket and state["count"]:
+            start = close(start)
+        end = start + tensor.numel
+        ranges.append((start, end))
+        kinds.append(tensor.expert)
+        state["count"] += 1
+        if own_bucket:
+            start = bucket_end = close(end)
+        else:
+            start = end
+    if state["count"]:
+        bucket_end = close(end)
+    return GradBuffer(
+        expert,
+        group_size,
+        bucket_end,
+        sum(t.numel for t in tensors),
+        tuple(ranges),
+        tuple(kinds),
+        tuple(buckets),
+    )
+
+
+def grad_buffers(
+    shape: ModelShape, layout: Layout, stage: int, *, distributed_optimizer: bool
+) -> list[GradBuffer]:
+    """megatron DDP's buffers on a GPU of ``stage``: the dense one (over data x context
+    parallel) and, when EP > 1, the expert one (over expert data parallel)."""
+    p = layout.parallel
+    tensors = stage_tensors(shape, layout, stage)
+    dense_group = layout.data_parallel * p.context_parallel
+    if p.expert_parallel == 1:  # experts then have allreduce=True: the dense buffer holds them
+        return [megatron_buffer(tensors, dense_group, distributed_optimizer, False)]
+    buffers = [
+        megatron_buffer(
+            [t for t in tensors if not t.expert], dense_group, distributed_optimizer, False
+        )
+    ]
+    experts = [t for t in tensors if t.expert]
+    if experts:
+        buffers.append(
+            megatron_buffer(experts, layout.expert_data_parallel, distributed_optimizer, True)
+        )
+    return buffers
+
+
+# ---------------------------------------------------------------------------- options
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """Training choices that decide memory besides the layout."""
+
+    params_dtype: str = "bfloat16"
+    distributed_optimizer: bool = True
+    recompute: str = "full"  # "full" (uniform, 1 layer per checkpoint) or "none"
+    micro_batch_tokens: int = 4096  # b * s of one micro-batch on one data-parallel rank
+    logprob_chunk_tokens: int = 4096
+    routing_replay: str = "off"  # off | r2 (recorded by the trainer) | r3 (by the engine)
+    routing_codec: str = "auto"
+    routing_tokens: int | None = None  # tokens of routing state held per rank, or:
+    routing_responses: int | None = None  # responses per RL step (whole batch) ...
+    routing_response_tokens: int | None = None  # ... of this many tokens each
+    reference: str = "off"  # KL reference model: off | gpu | cpu (offloaded)
+    moe_imbalance: float = 1.0  # expert tokens on the fullest GPU / the balanced share
+    reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+
+    def __post_init__(self) -> None:
+        choices = {
+            "params_dtype": tuple(DTYPE_BYTES),
+            "recompute": RECOMPUTE,
+            "routing_replay": REPLAY,
+            "routing_codec": CODECS,
+            "reference": REFERENCE,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {allowed}")
+        for name in ("micro_batch_tokens", "logprob_chunk_tokens"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        if self.moe_imbalance < 1.0 or self.reserve_gib < 0:
+            raise ValueError("moe_imbalance must be >= 1 and reserve_gib >= 0")
+        if self.routing_replay != "off":
+            by_batch = (self.routing_responses, self.routing_response_tokens)
+            if (self.routing_tokens is None) == (None in by_batch):
+                raise ValueError(
+                    "routing replay needs either routing_tokens (per rank) or both "
+                    "routing_responses and routing_response_tokens (whole batch)"
+                )
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.params_dtype]
+
+
+# ---------------------------------------------------------------------------- terms
+@dataclasses.dataclass(frozen=True, slots=True)
+class Term:
+    name: str
+    nbytes: int
+    exact: bool
+    on_gpu: bool = True
+    note: str = ""
+
+    @property
+    def gib(self) -> float:
+        return self.nbytes / GIB
+
+
+def optimizer_state_bytes(buffers: list[GradBuffer], options: PlanOptions) -> tuple[int, int]:
+    """(dense, expert) bytes of Adam state (+ fp32 master params when bf16) on the fullest GPU.
+
+    Per parameter element: ``m`` and ``v`` in fp32 (8 bytes), plus a 4-byte fp32 master copy when
+    params are bf16 (fp32 params are updated in place). Without the distributed optimizer every
+    local parameter has state; with it, only this rank's shard of each buffer (`GradBuffer`).
+    """
+    per_param = 8 + (4 if options.param_bytes < 4 else 0)
+    dense = expert = 0
+    for buffer in buffers:
+        d, e = buffer.fullest_shard() if options.distributed_optimizer else _unsharded(buffer)
+        dense, expert = dense + d, expert + e
+    return per_param * dense, per_param * expert
+
+
+def _unsharded(buffer: GradBuffer) -> tuple[int, int]:
+    counts = [0, 0]
+    for (first, last), is_expert in zip(buffer.param_ranges, buffer.param_is_expert, strict=True):
+        counts[is_expert] += last - first
+    return counts[0], counts[1]
+
+
+def _token_counts(layout: Layout, micro_batch_tokens: int) -> tuple[int, int]:
+    """(s, t): this GPU's tokens of the micro-batch in tensor-parallel regions (split by CP only)
+    and in sequence-parallel regions (norms, residual stream, router: split by TP too with SP)."""
+    p = layout.parallel
+    s = _ceil_div(micro_batch_tokens, p.context_parallel)
+    t = _ceil_div(s, p.tensor_parallel) if p.sequence_parallel else s
+    return s, t
+
+
+def layer_activation_bytes(
+    shape: ModelShape, layout: Layout, options: PlanOptions, *, moe: bool
+) -> dict[str, int]:
+    """ESTIMATE: bytes one decoder layer keeps for backward for one micro-batch (no recompute).
+
+    ``a`` = activation bytes (the param dtype), ``s`` = tokens per GPU in tensor-parallel regions
+    (micro-batch tokens / CP), ``t`` = tokens in sequence-parallel regions (``s / TP`` with SP),
+    ``q = heads * head_dim / TP``, ``kv = kv_heads * head_dim / TP``. Assumes flash attention (TE
+    spec: no ``s^2`` scores), no dropout, balanced routing (times ``moe_imbalance``). Terms:
+
+    * norms: input and output of both RMSNorms, ``4 t h a`` (SP: the sharded input is kept);
+    * attention: QKV output ``s (q + 2 kv) a``, q/k-norm outputs ``s (q + kv) a``, the rotated
+      q, k and v the attention kernel keeps ``s (q + 2 kv) a``, its output ``s q a`` and fp32
+      log-sum-exp ``4 s heads / TP``;
+    * MoE: fp32 router input, logits and probabilities ``4 t (h + 2 E)``; per routed
+      (token, expert) pair, of which a GPU holds ``t * topk * ETP`` on average, the permuted
+      input ``h``, fc1 output ``2 f / ETP``, SwiGLU output ``f / ETP`` and fc2 output ``h``, times
+      ``a``; a shared expert ``3 s f_shared a / TP``;
+    * dense MLP layer: fc1 output and SwiGLU output ``3 s I a / TP``.
+
+    Left out: the transient buffers of a single op (all-to-all send/receive, GEMM workspaces) and
+    the gradients being computed, which the reserve and the recomputed-layer term absorb.
+    """
+    p = layout.parallel
+    tp, etp = p.tensor_parallel, p.expert_tensor_parallel
+    a = options.param_bytes
+    s, t = _token_counts(layout, options.micro_batch_tokens)
+    h = shape.hidden_size
+    q = shape.num_heads * shape.head_dim // tp
+    kv = shape.num_kv_heads * shape.head_dim // tp
+    terms = {
+        "norms": 4 * t * h * a,
+        "attention": s * (q + 2 * kv) * a
+        + s * (q + kv) * a
+        + s * (q + 2 * kv) * a
+        + s * q * a
+        + 4 * s * (shape.num_heads // tp),
+    }
+    if moe:
+        pairs = math.ceil(t * shape.topk * etp * options.moe_imbalance)
+        f = shape.moe_intermediate_size // etp
+        terms["router"] = 4 * t * (h + 2 * shape.num_experts)
+        terms["experts"] = pairs * (2 * h + 3 * f) * a
+        if shape.shared_expert_size:
+            terms["shared_expert"] = 3 * s * shape.shared_expert_size * a // tp
+    else:
+        terms["mlp"] = 3 * s * shape.intermediate_size * a // tp
+    return terms
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagePlan:
+    params: StageParams
+    terms: tuple[Term, ...]
+
+    @property
+    def gpu_bytes(self) -> int:
+        return sum(term.nbytes for term in self.terms if term.on_gpu)
+
+    def term(self, name: str) -> Term:
+        return next(term for term in self.terms if term.name == name)
+
+
+def _stage_terms(
+    shape: ModelShape, layout: Layout, options: PlanOptions, params: StageParams
+) -> list[Term]:
+    p = layout.parallel
+    pp, tp = p.pipeline_parallel, p.tensor_parallel
+    a = options.param_bytes
+    dtype = options.params_dtype
+    last = params.stage == pp - 1
+    buffers = grad_buffers(
+        shape, layout, params.stage, distributed_optimizer=options.distributed_optimizer
+    )
+    padding = sum(buffer.numel - buffer.param_numel for buffer in buffers)
+    terms = [
+        Term("parameters: dense", params.dense * a, True, note=f"{params.dense:,} x {dtype}"),
+        Term("parameters: experts", params.expert * a, True, note=f"{params.expert:,} x {dtype}"),
+    ]
+    if options.distributed_optimizer:  # DDP then moves the params into padded param buffers
+        terms.append(
+            Term(
+                "parameter buffer padding",
+                padding * a,
+                True,
+                note=f"{padding:,} elements: starts to 64, bucket ends to lcm(group, 128)",
+            )
+        )
+    terms.append(
+        Term(
+            "gradient buffers",
+            sum(buffer.numel for buffer in buffers) * 4,
+            True,
+            note=f"fp32 main_grad of every local param ({params.total + padding:,} with padding)"
+            if padding
+            else "fp32 main_grad of every local param",
+        )
+    )
+    dense_opt, expert_opt = optimizer_state_bytes(buffers, options)
+    what = "Adam m, v" + (" + master" if a < 4 else "") + " in fp32"
+    if options.distributed_optimizer:
+        dense_group = layout.data_parallel * p.context_parallel
+        expert_group = dense_group if p.expert_parallel == 1 else layout.expert_data_parallel
+        dense_note = f"{what}, sharded over DP x CP = {dense_group}"
+        expert_note = f"{what}, sharded over {'DP x CP' if p.expert_parallel == 1 else 'EDP'} = "
+        expert_note += str(expert_group)
+    else:
+        dense_note = expert_note = f"{what}, not sharded"
+    terms += [
+        Term("optimizer: dense", dense_opt, True, note=dense_note),
+        Term("optimizer: experts", expert_opt, True, note=expert_note),
+    ]
+
+    # activations (estimate)
+    s, t = _token_counts(layout, options.micro_batch_tokens)
+    h = shape.hidden_size
+    per_stage = layout.stage_layers(shape.num_layers)
+    first = sum(per_stage[: params.stage])
+    pattern = shape.moe_pattern[first : first + params.layers]
+    layer_bytes = {
+        sparse: sum(layer_activation_bytes(shape, layout, options, moe=bool(sparse)).values())
+        for sparse in set(pattern)
+    }
+    in_flight = pp - params.stage  # 1F1B: micro-batches whose backward is pending
+    final_norm = 2 * t * h * a if last else 0
+    if options.recompute == "full":
+        kept = in_flight * params.layers * t * h * a
+        acts = kept + max(layer_bytes.values()) + final_norm
+        note = (
+            f"{in_flight} x {params.layers} layer inputs (t h a) + one recomputed layer"
+            f"; s={s:,} t={t:,} tokens"
+        )
+    else:
+        acts = in_flight * sum(layer_bytes[sparse] for sparse in pattern) + final_norm
+        note = f"{in_flight} x {params.layers} layers, no recompute; s={s:,} t={t:,} tokens"
+    terms.append(Term("activations", acts, False, note=note))
+    if last:
+        vocab = shape.vocab_size // tp
+        chunk = min(options.logprob_chunk_tokens, s)
+        terms += [
+            Term(
+                "logits",
+                2 * s * vocab * a,
+                False,
+                note=f"[{s:,} x {vocab:,}] {dtype}, value + gradient",
+            ),
+            Term(
+                "log-prob/entropy chunk",
+                2 * chunk * vocab * 4,
+                False,
+                note=f"2 x [{chunk:,} x {vocab:,}] fp32 tiles (the copy and its exp)",
+            ),
+        ]
+
+    if options.routing_replay != "off":
+        codec = RoutingCodec(shape.num_experts, shape.topk, options.routing_codec)
+        if options.routing_tokens is not None:
+            tokens = options.routing_tokens
+        else:
+            tokens, _ = local_counts(
+                p,
+                layout.data_parallel,
+                options.routing_responses,
+                options.routing_response_tokens,
+                shape.num_moe_layers,
+            )
+        on_gpu = options.routing_replay == "r2"
+        where = "GPU (R2 recordings)" if on_gpu else "host (R3 routes travel with the samples)"
+        terms += [
+            Term(
+                "routing state",
+                codec.nbytes(tokens, params.moe_layers),
+                True,
+                on_gpu=on_gpu,
+                note=f"{tokens:,} tokens x {params.moe_layers} MoE layers, {codec.codec}; {where}",
+            ),
+            Term(
+                "routing targets",
+                t * params.moe_layers * shape.topk * 8,
+                True,
+                note="int64 [t, topk] per MoE layer of the live micro-batch",
+            ),
+        ]
+    if options.reference != "off":
+        on_gpu = options.reference == "gpu"
+        terms.append(
+            Term(
+                "reference model",
+                params.total * a,
+                True,
+                on_gpu=on_gpu,
+                note=f"parameters, {dtype}" + ("" if on_gpu else "; offloaded to host"),
+            )
+        )
+    terms.append(
+        Term(
+            "reserve",
+            int(options.reserve_gib * GIB),
+            False,
+            note="CUDA context, NCCL buffers, allocator fragmentation (assumed)",
+        )
+    )
+    return terms
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    shape: ModelShape
+    layout: Layout
+    options: PlanOptions
+    stages: tuple[StagePlan, ...]
+    gpu_gib: float
+
+    @property
+    def peak(self) -> StagePlan:
+        """The stage whose GPUs need the most memory."""
+        return max(self.stages, key=lambda stage: stage.gpu_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak.gpu_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.gpu_gib * GIB
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.layout.parallel
+
+        def terms(stage: StagePlan) -> list[dict[str, Any]]:
+            return [
+                {
+                    "name": term.name,
+                    "bytes": term.nbytes,
+                    "gib": round(term.gib, 4),
+                    "exact": term.exact,
+                    "on_gpu": term.on_gpu,
+                    "note": term.note,
+                }
+                for term in stage.terms
+            ]
+
+        return {
+            "model": {
+                **dataclasses.asdict(self.shape),
+                "total_params": self.shape.total_params(),
+                "active_params": self.shape.total_params(active=True),
+            },
+            "layout": {
+                "tensor_parallel": p.tensor_parallel,
+                "pipeline_parallel": p.pipeline_parallel,
+                "expert_parallel": p.expert_parallel,
+                "expert_tensor_parallel": p.expert_tensor_parallel,
+                "context_parallel": p.context_parallel,
+                "sequence_parallel": p.sequence_parallel,
+                "data_parallel": self.layout.data_parallel,
+                "expert_data_parallel": self.layout.expert_data_parallel,
+                "world_size": self.layout.world_size,
+                "pipeline_layers": list(self.layout.stage_layers(self.shape.num_layers)),
+            },
+            "options": dataclasses.asdict(self.options),
+            "stages": [
+                {
+                    "stage": stage.params.stage,
+                    "layers": stage.params.layers,
+                    "moe_layers": stage.params.moe_layers,
+                    "dense_params": stage.params.dense,
+                    "expert_params": stage.params.expert,
+                    "gpu_bytes": stage.gpu_bytes,
+                    "gpu_gib": round(stage.gpu_bytes / GIB, 4),
+                    "terms": terms(stage),
+                }
+                for stage in self.stages
+            ],
+            "peak_stage": self.peak.params.stage,
+            "total_bytes": self.total_bytes,
+            "total_gib": round(self.total_bytes / GIB, 4),
+            "gpu_gib": self.gpu_gib,
+            "fits": self.fits,
+        }
+
+
+def plan_memory(
+    config, layout: Layout, options: PlanOptions | None = None, *, gpu_gib: float = 80.0
+) -> MemoryPlan:
+    """Per-GPU memory of every pipeline stage of ``layout`` for HF config (or `ModelShape`)."""
+    shape = config if isinstance(config, ModelShape) else ModelShape.from_hf(config)
+    options = options or PlanOptions()
+    layout.validate(shape)
+    if gpu_gib <= 0:
+        raise ValueError(f"gpu_gib={gpu_gib}: must be > 0")
+    stages = []
+    for stage in range(layout.parallel.pipeline_parallel):
+        params = stage_params(shape, layout, stage)
+        stages.append(StagePlan(params, tuple(_stage_terms(shape, layout, options, params))))
+    return MemoryPlan(shape, layout, options, tuple(stages), float(gpu_gib))

@@ -1,0 +1,495 @@
+"""The memory plan's counted terms are exact: against the real tiny model (parameters, DDP grad
+buffers, Adam state after a step), a meta-device HF model (total parameters), hand-computed
+per-rank splits of Qwen3-30B-A3B, and `megatron_rl.routing.memory`; plus validation and the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.model.memory import (
+    GIB,
+    Layout,
+    ModelShape,
+    ParamTensor,
+    PlanOptions,
+    grad_buffers,
+    layer_activation_bytes,
+    load_model_config,
+    megatron_buffer,
+    optimizer_state_bytes,
+    plan_memory,
+    stage_params,
+)
+from megatron_rl.parallel import ParallelConfig
+from megatron_rl.routing import RoutingCodec, routing_state_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Qwen3-30B-A3B, for the hand counts below
+H, V, D, E, F_MOE = 2048, 151936, 128, 128, 768
+ATTN = (32 + 2 * 4) * D * H + 32 * D * H  # linear_qkv + linear_proj = 18,874,368
+NORMS = 2 * H + 2 * D  # input / pre-MLP RMSNorm + q / k RMSNorm
+ROUTER = E * H
+EXPERT = 3 * F_MOE * H  # fc1 (gate + up) + fc2 = 4,718,592
+
+
+def _layout(world_size: int | None = None, **sizes) -> Layout:
+    parallel = ParallelConfig(**sizes)
+    if world_size is None:
+        return Layout(parallel=parallel)
+    return Layout.from_world_size(parallel, world_size)
+
+
+def _tiny_model(name: str, dtype: str, distributed: bool, **overrides):
+    """The tiny model in megatron DDP, with the distributed optimizer's buffers if asked (and if
+    this checkout's `wrap_for_training` lets the caller choose)."""
+    from megatron_rl.backend.optimizer import wrap_for_training
+    from megatron_rl.model import ModelOptions, build_model, preset_config
+
+    config = preset_config(name, **overrides)
+    model = build_model(config, ModelOptions(dtype=dtype), spec="local")
+    if "use_distributed_optimizer" in inspect.signature(wrap_for_training).parameters:
+        return config, wrap_for_training(model, use_distributed_optimizer=distributed)
+    return config, wrap_for_training(model)
+
+
+# ------------------------------------------------------------------------- the real tiny model
+TINY_CASES = {
+    "tiny-fp32-distopt": ("tiny", "float32", True, {}),
+    "tiny-bf16-distopt": ("tiny", "bfloat16", True, {}),
+    "tiny-bf16": ("tiny", "bfloat16", False, {}),
+    "tiny-dense-tied-fp32": ("tiny-dense-tied", "float32", False, {}),
+    "tiny-dense-tied-bf16-distopt": ("tiny-dense-tied", "bfloat16", True, {}),
+    "tiny-shared-expert-qkv-bias-bf16-distopt": (
+        "tiny",
+        "bfloat16",
+        True,
+        {"shared_expert_intermediate_size": 48, "attention_bias": True},
+    ),
+}
+
+
+def _plan_for(config, model, dtype: str):
+    options = PlanOptions(
+        params_dtype=dtype,
+        distributed_optimizer=model.ddp_config.use_distributed_optimizer,
+        reference="gpu",
+    )
+    return plan_memory(config, _layout(), options).stages[0]
+
+
+@pytest.mark.parametrize("case", list(TINY_CASES))
+def test_parameter_and_grad_buffer_bytes_match_the_tiny_model(ws1, case):
+    name, dtype, distributed, overrides = TINY_CASES[case]
+    config, model = _tiny_model(name, dtype, distributed, **overrides)
+    stage = _plan_for(config, model, dtype)
+
+    dense = expert = 0
+    for param_name, param in model.module.named_parameters():
+        nbytes = param.numel() * param.element_size()
+        if ".experts." in param_name:
+            expert += nbytes
+        else:
+            dense += nbytes
+    assert stage.term("parameters: dense").nbytes == dense
+    assert stage.term("parameters: experts").nbytes == expert
+    assert stage.term("reference model").nbytes == dense + expert
+
+    real = model.buffers + model.expert_parallel_buffers
+    assert all(b.grad_data.dtype == torch.float32 for b in real)
+    grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in real)
+    assert stage.term("gradient buffers").nbytes == grad_bytes
+    params = list(model.module.parameters())
+    assert all(p.main_grad.dtype == torch.float32 for p in params)
+    assert sum(p.main_grad.numel() for p in params) == sum(p.numel() for p in params)
+
+    # megatron's own buffer layout: sizes, padding and buckets
+    planned = grad_buffers(
+        ModelShape.from_hf(config),
+        _layout(),
+        0,
+        distributed_optimizer=model.ddp_config.use_distributed_optimizer,
+    )
+    assert [(b.numel, list(b.buckets), list(b.param_ranges)) for b in planned] == [
+        (
+            b.numel,
+            [tuple(i) for i in b.bucket_indices],
+            sorted((start, end) for start, end, _ in b.param_index_map.values()),
+        )
+        for b in real
+    ]
+    if model.ddp_config.use_distributed_optimizer:
+        param_data = sum(b.param_data.numel() * b.param_data.element_size() for b in real)
+        assert stage.term("parameter buffer padding").nbytes == param_data - dense - expert
+    print(case, "params", dense + expert, "grad buffers", grad_bytes)
+
+
+def _adam_state_bytes(inner) -> tuple[int, int]:
+    """(bytes, tensors) of Adam m, v (and megatron's fp32 master params) of an optimizer."""
+    total = tensors = 0
+    for opt in getattr(inner, "chained_optimizers", None) or [inner]:
+        torch_opt = opt if isinstance(opt, torch.optim.Optimizer) else opt.optimizer
+        for state in torch_opt.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                total += state[key].numel() * state[key].element_size()
+            tensors += 1
+        for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+            for group in getattr(opt, attr, None) or []:
+                total += sum(p.numel() * p.element_size() for p in group)
+    return total, tensors
+
+
+@pytest.mark.parametrize("case", list(TINY_CASES))
+def test_optimizer_state_matches_the_optimizer_after_one_step(ws1, case):
+    import dataclasses
+
+    from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer
+    from megatron_rl.model import causal_lm_logits
+
+    name, dtype, distributed, overrides = TINY_CASES[case]
+    config, model = _tiny_model(name, dtype, distributed, **overrides)
+    kwargs = {"lr": 1e-3, "clip_grad": 1.0}
+    if "use_distributed_optimizer" in {f.name for f in dataclasses.fields(OptimizerConfig)}:
+        kwargs["use_distributed_optimizer"] = model.ddp_config.use_distributed_optimizer
+    optimizer = build_optimizer(model, OptimizerConfig(**kwargs))
+    tokens_BT = torch.randint(
+        0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)
+    )
+    optimizer.zero_grad()
+    logits_BTV = causal_lm_logits(model, tokens_BT[:, :-1])
+    loss = F.cross_entropy(
+        logits_BTV.float().reshape(-1, config.vocab_size), tokens_BT[:, 1:].reshape(-1)
+    )
+    loss.backward()
+    assert optimizer.step() is not None
+
+    actual, tensors = _adam_state_bytes(optimizer.inner)
+    assert tensors == len(list(model.parameters()))  # every parameter has state (one rank)
+    stage = _plan_for(config, model, dtype)
+    expected = stage.term("optimizer: dense").nbytes + stage.term("optimizer: experts").nbytes
+    per_param = 12 if dtype == "bfloat16" else 8  # m + v (+ fp32 master)
+    assert expected == actual == per_param * stage.params.total
+
+
+def test_distributed_optimizer_shards_follow_megatron_padding():
+    # named order a (100 elements), b (30); megatron lays them out reversed: b at 0, a at 64
+    tensors = [ParamTensor("a", 100), ParamTensor("b", 30, expert=True)]
+    buffer = megatron_buffer(tensors, group_size=2, distributed=True, expert=False)
+    assert buffer.param_ranges == ((0, 30), (64, 164))
+    assert (buffer.numel, buffer.param_numel, buffer.buckets) == (256, 130, ((0, 256),))
+    assert buffer.shard_numel(0) == (64, 30)  # [0, 128): all of b, 64 of a
+    assert buffer.shard_numel(1) == (36, 0)
+    assert buffer.fullest_shard() == (64, 30)
+    plain = megatron_buffer(tensors, group_size=2, distributed=False, expert=False)
+    assert (plain.numel, plain.param_ranges) == (130, ((0, 30), (30, 130)))
+    # a tied embedding split over pipeline stages gets a bucket of its own
+    tied = [ParamTensor("norm", 10), ParamTensor("output_layer", 100, shared_embedding=True)]
+    buffer = megatron_buffer(tied, group_size=1, distributed=True, expert=False)
+    assert buffer.buckets == ((0, 128), (128, 256))
+
+
+def _sharding_worker(rank, world_size, init_method, tmp_dir, parallel_kwargs) -> None:
+    """One rank: the tiny bf16 model, megatron's distributed optimizer, one step; saves what this
+    rank holds (parameter, buffer and Adam-state bytes)."""
+    from megatron_rl.backend import ParallelConfig, init_distributed
+    from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer
+    from megatron_rl.model import causal_lm_logits
+
+    init_distributed(
+        ParallelConfig(**parallel_kwargs),
+        rank=rank,
+        world_size=world_size,
+        init_method=init_method,
+        device="cpu",
+    )
+    config, model = _tiny_model("tiny", "bfloat16", True)
+    optimizer = build_optimizer(model, OptimizerConfig(lr=1e-3, clip_grad=0.0))
+    tokens_BT = torch.randint(
+        0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)
+    )
+    optimizer.zero_grad()
+    logits_BTV = causal_lm_logits(model, tokens_BT[:, :-1])
+    F.cross_entropy(
+        logits_BTV.float().reshape(-1, config.vocab_size), tokens_BT[:, 1:].reshape(-1)
+    ).backward()
+    assert optimizer.step() is not None
+    real = model.buffers + model.expert_parallel_buffers
+    params = dict(model.module.named_parameters())
+    result = {
+        "dense": sum(p.numel() for n, p in params.items() if ".experts." not in n),
+        "expert": sum(p.numel() for n, p in params.items() if ".experts." in n),
+        "grad_bytes": sum(b.grad_data.numel() * b.grad_data.element_size() for b in real),
+        "param_buffer": sum(b.param_data.numel() for b in real),
+        "adam_bytes": _adam_state_bytes(optimizer.inner)[0],
+    }
+    torch.save(result, os.path.join(tmp_dir, f"result{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "parallel",
+    [{}, {"expert_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": True}],
+    ids=["dp2", "ep2-dp2", "tp2-sp"],
+)
+def test_two_ranks_match_the_plan_per_rank(tmp_path, parallel):
+    from qwen3_moe_testing import spawn_ranks
+
+    spawn_ranks(_sharding_worker, tmp_path, 2, parallel)
+    results = [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
+    config = load_model_config("tiny")
+    layout = _layout(2, **parallel)
+    stage = plan_memory(config, layout, PlanOptions(params_dtype="bfloat16")).stages[0]
+    padding = stage.term("parameter buffer padding").nbytes // 2
+    for result in results:
+        assert (result["dense"], result["expert"]) == (stage.params.dense, stage.params.expert)
+        assert result["grad_bytes"] == stage.term("gradient buffers").nbytes
+        assert result["param_buffer"] == stage.params.total + padding
+    fullest = stage.term("optimizer: dense").nbytes + stage.term("optimizer: experts").nbytes
+    assert max(result["adam_bytes"] for result in results) == fullest
+    print(parallel, [result["adam_bytes"] for result in results], fullest)
+
+
+# ------------------------------------------------------------------------- Qwen3 sizes
+@pytest.mark.parametrize(
+    ("model", "billions", "active_billions"),
+    [("qwen3-30b-a3b", 30.5, 3.3), ("qwen3-235b-a22b", 235.1, 22.2)],
+)
+def test_total_params_match_a_meta_device_hf_model(model, billions, active_billions):
+    from transformers import Qwen3MoeForCausalLM
+
+    config = load_model_config(model)
+    with torch.device("meta"):
+        hf_model = Qwen3MoeForCausalLM(config)
+    direct = sum(p.numel() for p in hf_model.parameters())
+    shape = ModelShape.from_hf(config)
+    assert shape.total_params() == direct
+    assert abs(direct / 1e9 - billions) < 0.1
+    assert abs(shape.total_params(active=True) / 1e9 - active_billions) < 0.1
+    # sum over all GPUs of the per-rank expert shards is the whole expert set
+    layout = _layout(64, tensor_parallel=4, pipeline_parallel=2, expert_parallel=16)
+    shards = sum(stage_params(shape, layout, s).expert for s in range(2))
+    assert shards * 16 == shape.num_layers * shape.num_experts * shape.expert_params()
+
+
+def test_qwen3_30b_total_and_active_by_hand():
+    shape = ModelShape.from_hf(load_model_config("qwen3-30b-a3b"))
+    layer = ATTN + NORMS + ROUTER
+    assert shape.total_params() == 48 * (layer + 128 * EXPERT) + 2 * V * H + H == 30_532_122_624
+    assert shape.total_params(active=True) == 48 * (layer + 8 * EXPERT) + 2 * V * H + H
+
+
+def test_per_rank_split_of_the_launcher_layout_tp2_ep8_dp8():
+    shape = ModelShape.from_hf(load_model_config("qwen3-30b-a3b"))
+    layout = _layout(16, tensor_parallel=2, expert_parallel=8)
+    assert (layout.data_parallel, layout.expert_data_parallel) == (8, 2)
+    params = stage_params(shape, layout, 0)
+    # embedding + output layer split by TP; attention split by TP; norms and router replicated
+    assert params.dense == 2 * V * H // 2 + H + 48 * (NORMS + ATTN // 2 + ROUTER) == 776_943_616
+    assert params.expert == 48 * (128 // 8) * EXPERT == 3_623_878_656
+    # every tensor is a multiple of 64 elements and each buffer of 128: no padding anywhere
+    buffers = grad_buffers(shape, layout, 0, distributed_optimizer=True)
+    assert [(b.numel, b.param_numel, b.group_size) for b in buffers] == [
+        (776_943_616, 776_943_616, 8),
+        (3_623_878_656, 3_623_878_656, 2),
+    ]
+    options = PlanOptions(params_dtype="bfloat16", distributed_optimizer=True)
+    dense_opt, expert_opt = optimizer_state_bytes(buffers, options)
+    assert dense_opt == 12 * 776_943_616 // 8  # m, v, master over DP 8
+    assert expert_opt == 12 * 3_623_878_656 // 2  # over expert-data-parallel 16 / 8
+    no_dist = PlanOptions(params_dtype="float32", distributed_optimizer=False)
+    buffers = grad_buffers(shape, layout, 0, distributed_optimizer=False)
+    assert optimizer_state_bytes(buffers, no_dist) == (8 * params.dense, 8 * params.expert)
+
+
+def test_per_rank_split_with_pipeline_and_expert_tensor_parallel():
+    shape = ModelShape.from_hf(load_model_config("qwen3-30b-a3b"))
+    layout = _layout(64, tensor_parallel=4, pipeline_parallel=4, expert_parallel=16)
+    stages = [stage_params(shape, layout, s) for s in range(4)]
+    body = 12 * (NORMS + ATTN // 4 + ROUTER)
+    assert [s.dense for s in stages] == [
+        V * H // 4 + body,  # embedding on the first stage
+        body,
+        body,
+        body + H + V * H // 4,  # final norm + output layer on the last
+    ]
+    assert all(s.expert == 12 * 8 * EXPERT for s in stages)
+
+    layout = _layout(16, tensor_parallel=2, expert_parallel=4, expert_tensor_parallel=2)
+    params = stage_params(shape, layout, 0)
+    assert params.expert == 48 * 32 * EXPERT // 2
+    assert layout.expert_data_parallel == 2
+
+    # EP 1: megatron keeps experts in the dense buffers, sharded over DP like dense params
+    layout = _layout(8, tensor_parallel=2)
+    params = stage_params(shape, layout, 0)
+    buffers = grad_buffers(shape, layout, 0, distributed_optimizer=True)
+    assert len(buffers) == 1 and buffers[0].group_size == 4
+    assert sum(optimizer_state_bytes(buffers, PlanOptions())) == 12 * params.total // 4
+
+
+def test_tied_embeddings_keep_a_copy_on_the_last_pipeline_stage():
+    config = load_model_config("tiny-dense-tied")
+    shape = ModelShape.from_hf(config)
+    one = stage_params(shape, _layout(), 0)
+    two = [stage_params(shape, _layout(2, pipeline_parallel=2), s) for s in range(2)]
+    embedding = shape.vocab_size * shape.hidden_size
+    assert two[0].dense + two[1].dense == one.dense + embedding
+
+
+def test_uneven_pipeline_split_235b():
+    shape = ModelShape.from_hf(load_model_config("qwen3-235b-a22b"))
+    parallel = ParallelConfig(tensor_parallel=4, pipeline_parallel=4, expert_parallel=16)
+    with pytest.raises(ValueError, match="not divisible by pipeline parallel size 4"):
+        Layout.from_world_size(parallel, 64).validate(shape)
+    layout = Layout.from_world_size(parallel, 64, (23, 24, 24, 23))
+    plan = plan_memory(shape, layout)
+    assert [s.params.layers for s in plan.stages] == [23, 24, 24, 23]
+    with pytest.raises(ValueError, match="middle stages must be equal"):
+        Layout.from_world_size(parallel, 64, (24, 23, 24, 23)).validate(shape)
+
+
+# ------------------------------------------------------------------------- routing, activations
+@pytest.mark.parametrize("codec_name", ["uint8", "packed"])
+def test_routing_state_reuses_the_routing_memory_accounting(codec_name):
+    config = load_model_config("qwen3-30b-a3b")
+    layout = _layout(16, tensor_parallel=2, expert_parallel=8)
+    options = PlanOptions(
+        routing_replay="r2",
+        routing_codec=codec_name,
+        routing_responses=512,
+        routing_response_tokens=18432,
+        micro_batch_tokens=18432,
+    )
+    stage = plan_memory(config, layout, options).stages[0]
+    codec = RoutingCodec(128, 8, codec_name)
+    expected = routing_state_bytes(codec, 512, 18432, 48, layout.parallel, 8)
+    assert stage.term("routing state").nbytes == expected
+    assert stage.term("routing state").on_gpu
+    assert stage.term("routing targets").nbytes == 9216 * 48 * 8 * 8  # int64 [t, topk] per layer
+    options = PlanOptions(routing_replay="r3", routing_codec=codec_name, routing_tokens=1000)
+    r3 = plan_memory(config, layout, options).stages[0].term("routing state")
+    assert not r3.on_gpu  # R3 routes travel with the samples, on the host
+    assert r3.nbytes == codec.nbytes(1000, 48)
+
+
+def test_activation_estimate_formula_and_recompute():
+    config = load_model_config("qwen3-30b-a3b")
+    layout = _layout(16, tensor_parallel=2, expert_parallel=8)
+    options = PlanOptions(micro_batch_tokens=18432)
+    terms = layer_activation_bytes(ModelShape.from_hf(config), layout, options, moe=True)
+    s, t, a = 18432, 9216, 2
+    q, kv = 32 * D // 2, 4 * D // 2
+    assert terms["norms"] == 4 * t * H * a
+    # QKV out + q/k-norm out + rotated q, k and v + attention out + fp32 log-sum-exp
+    qkv, qk, attn_in, out = (q + 2 * kv), (q + kv), (q + 2 * kv), q
+    assert terms["attention"] == s * a * (qkv + qk + attn_in + out) + 4 * s * 16
+    assert terms["router"] == 4 * t * (H + 2 * E)
+    assert terms["experts"] == t * 8 * (2 * H + 3 * F_MOE) * a
+    layer = sum(terms.values())
+    full = plan_memory(config, layout, options).stages[0].term("activations").nbytes
+    none = plan_memory(config, layout, PlanOptions(micro_batch_tokens=18432, recompute="none"))
+    assert full == 48 * t * H * a + layer + 2 * t * H * a
+    assert none.stages[0].term("activations").nbytes == 48 * layer + 2 * t * H * a
+    assert not none.fits  # 48 layers of activations at 18k tokens do not fit 80 GiB
+
+
+# ------------------------------------------------------------------------- validation, CLI
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            {"tensor_parallel": 3},
+            "num_attention_heads=32 is not divisible by tensor parallel size 3",
+        ),
+        (
+            {"tensor_parallel": 8},
+            "num_key_value_heads=4 is not divisible by tensor parallel size 8",
+        ),
+        ({"expert_parallel": 3}, "num_experts=128 is not divisible by expert parallel size 3"),
+        ({"pipeline_parallel": 5}, "not divisible by pipeline parallel size 5"),
+        ({"expert_parallel": 16}, "not divisible by expert-tensor"),
+    ],
+)
+def test_invalid_layouts_raise(sizes, message):
+    config = load_model_config("qwen3-30b-a3b")
+    world = 8 * sizes.get("tensor_parallel", 1) * sizes.get("pipeline_parallel", 1)
+    with pytest.raises(ValueError, match=message):
+        plan_memory(config, _layout(world, **sizes))
+
+
+def test_invalid_options_raise():
+    with pytest.raises(ValueError, match="routing replay needs"):
+        PlanOptions(routing_replay="r2")
+    with pytest.raises(ValueError, match="recompute"):
+        PlanOptions(recompute="selective")
+    with pytest.raises(ValueError, match="world size 12"):
+        _layout(12, tensor_parallel=8)
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("memory_plan", ROOT / "tools/memory_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_table_and_error_exit(capsys):
+    tool = _load_tool()
+    argv = ["--model", "qwen3-30b-a3b", "--tp", "2", "--ep", "8", "--world-size", "16"]
+    assert tool.main([*argv, "--micro-batch-tokens", "18432", "--gpu-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    for expected in ("gradient buffers", "optimizer: experts", "FITS in 80 GiB", "estimate"):
+        assert expected in out, expected
+    assert tool.main([*argv[:4], "--ep", "3", "--world-size", "6"]) == 2
+    assert "num_experts=128 is not divisible by expert parallel size 3" in capsys.readouterr().err
+
+
+def test_cli_json_smoke():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "tools/memory_plan.py",
+            "--model",
+            "tiny",
+            "--world-size",
+            "2",
+            "--ep",
+            "2",
+            "--dtype",
+            "fp32",
+            "--routing-replay",
+            "r2",
+            "--routing-tokens",
+            "100",
+            "--reference",
+            "cpu",
+            "--gpu-gib",
+            "1",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout)
+    assert plan["model"]["total_params"] == 189_824  # the tiny model's parameter count
+    assert plan["layout"]["expert_data_parallel"] == 1
+    stage = plan["stages"][0]
+    terms = {term["name"]: term for term in stage["terms"]}
+    assert terms["parameters: experts"]["bytes"] == 2 * 4 * 6144 * 4  # 2 layers x 4 experts
+    assert not terms["reference model"]["on_gpu"]
+    assert plan["total_bytes"] == sum(t["bytes"] for t in stage["terms"] if t["on_gpu"])
+    assert plan["fits"] is (plan["total_bytes"] <= GIB)

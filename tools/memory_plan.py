@@ -1,0 +1,193 @@
+"""Per-GPU memory of a Qwen3-MoE training layout, and whether it fits a given GPU.
+
+    # the 32-GPU launcher's training half (examples/qwen3_moe): TP2+SP, EP8, DP8, bf16, full
+    # recompute, one 2,048 + 16,384-token sample per micro-batch, R2 replay, KL reference on GPU
+    python tools/memory_plan.py --model qwen3-30b-a3b --tp 2 --ep 8 --world-size 16 \
+        --micro-batch-tokens 18432 --routing-replay r2 --routing-responses 512 \
+        --routing-response-tokens 18432 --reference gpu --gpu-gib 80 [--json]
+
+Parameters, gradient buffers, optimizer state, routing state and the reference model are counted
+exactly; activations, logits, the log-prob chunk and the reserve are estimates (see
+`megatron_rl.model.memory`). With pipeline parallelism the fullest stage decides the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from megatron_rl.model.memory import (
+    CODECS,
+    DTYPE_BYTES,
+    GIB,
+    RECOMPUTE,
+    REFERENCE,
+    REPLAY,
+    Layout,
+    MemoryPlan,
+    PlanOptions,
+    load_model_config,
+    plan_memory,
+)
+from megatron_rl.parallel import ParallelConfig
+
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", **{name: name for name in DTYPE_BYTES}}
+
+
+def _stage_layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated layer counts") from None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model", default="qwen3-30b-a3b", help="preset, qwen3-235b-a22b, or HF checkpoint folder"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel")
+    parser.add_argument("--etp", type=int, default=1, help="expert tensor parallel")
+    parser.add_argument("--cp", type=int, default=1, help="context parallel")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--dp", type=int, help="data parallel (default 1)")
+    size.add_argument("--world-size", type=int, help="training GPUs (data parallel = the rest)")
+    parser.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sequence parallel (default: on when TP > 1)",
+    )
+    parser.add_argument(
+        "--pipeline-layers",
+        type=_stage_layers,
+        help="layers per pipeline stage, e.g. 23,24,24,23 (default: an even split)",
+    )
+    parser.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), default="bf16")
+    parser.add_argument(
+        "--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--recompute", choices=RECOMPUTE, default="full")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=4096,
+        help="tokens (b*s) of one micro-batch on one data-parallel rank",
+    )
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=4096)
+    parser.add_argument("--routing-replay", choices=REPLAY, default="off")
+    parser.add_argument("--routing-codec", choices=CODECS, default="auto")
+    parser.add_argument("--routing-tokens", type=int, help="tokens of routing state per rank")
+    parser.add_argument("--routing-responses", type=int, help="responses per RL step (all ranks)")
+    parser.add_argument("--routing-response-tokens", type=int, help="tokens of each response")
+    parser.add_argument("--reference", choices=REFERENCE, default="off", help="KL reference model")
+    parser.add_argument("--moe-imbalance", type=float, default=1.0)
+    parser.add_argument("--reserve-gib", type=float, default=4.0)
+    parser.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory in GiB")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser.parse_args(argv)
+
+
+def build_plan(args: argparse.Namespace) -> MemoryPlan:
+    parallel = ParallelConfig(
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        expert_parallel=args.ep,
+        expert_tensor_parallel=args.etp,
+        context_parallel=args.cp,
+        sequence_parallel=args.sp,
+    )
+    if args.world_size is not None:
+        layout = Layout.from_world_size(parallel, args.world_size, args.pipeline_layers)
+    else:
+        layout = Layout(
+            parallel=parallel, data_parallel=args.dp or 1, pipeline_layers=args.pipeline_layers
+        )
+    options = PlanOptions(
+        params_dtype=DTYPE_ALIASES[args.dtype],
+        distributed_optimizer=args.distributed_optimizer,
+        recompute=args.recompute,
+        micro_batch_tokens=args.micro_batch_tokens,
+        logprob_chunk_tokens=args.logprob_chunk_tokens,
+        routing_replay=args.routing_replay,
+        routing_codec=args.routing_codec,
+        routing_tokens=args.routing_tokens,
+        routing_responses=args.routing_responses,
+        routing_response_tokens=args.routing_response_tokens,
+        reference=args.reference,
+        moe_imbalance=args.moe_imbalance,
+        reserve_gib=args.reserve_gib,
+    )
+    return plan_memory(load_model_config(args.model), layout, options, gpu_gib=args.gpu_gib)
+
+
+def render(plan: MemoryPlan, model: str, console: Console) -> None:
+    layout, shape, peak = plan.layout, plan.shape, plan.peak
+    p = layout.parallel
+    console.print(
+        f"[bold]{model}[/bold]: {shape.total_params() / 1e9:.2f}B params, "
+        f"{shape.total_params(active=True) / 1e9:.2f}B active; {layout.world_size} GPUs = "
+        f"TP{p.tensor_parallel}{'+SP' if p.sequence_parallel else ''} PP{p.pipeline_parallel} "
+        f"CP{p.context_parallel} DP{layout.data_parallel}; experts EP{p.expert_parallel} "
+        f"ETP{p.expert_tensor_parallel} EDP{layout.expert_data_parallel}; "
+        f"{plan.options.params_dtype}, recompute {plan.options.recompute}, "
+        f"{plan.options.micro_batch_tokens:,} tokens / micro-batch"
+    )
+    if len(plan.stages) > 1:
+        stages = Table(title="pipeline stages")
+        for column in ("stage", "layers", "MoE layers", "dense params", "expert params", "GiB"):
+            stages.add_column(column, justify="right")
+        for stage in plan.stages:
+            sp = stage.params
+            stages.add_row(
+                str(sp.stage),
+                str(sp.layers),
+                str(sp.moe_layers),
+                f"{sp.dense:,}",
+                f"{sp.expert:,}",
+                f"{stage.gpu_bytes / GIB:.2f}",
+            )
+        console.print(stages)
+    table = Table(title=f"per GPU of pipeline stage {peak.params.stage} (the fullest)")
+    table.add_column("term")
+    table.add_column("GiB", justify="right")
+    table.add_column("kind")
+    table.add_column("detail")
+    for term in peak.terms:
+        name = term.name if term.on_gpu else f"({term.name}: not on GPU)"
+        kind = "exact" if term.exact else "estimate"
+        table.add_row(escape(name), f"{term.gib:.2f}", kind, escape(term.note))
+    table.add_section()
+    total = plan.total_bytes / GIB
+    table.add_row("[bold]total[/bold]", f"[bold]{total:.2f}[/bold]", "", "")
+    console.print(table)
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    console.print(
+        f"[bold]{verdict}[/bold] in {plan.gpu_gib:g} GiB: {total:.2f} GiB needed, "
+        f"{plan.gpu_gib - total:+.2f} GiB headroom"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        plan = build_plan(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model_name": args.model, **plan.to_dict()}, indent=2))
+    else:
+        render(plan, args.model, Console(width=160))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
