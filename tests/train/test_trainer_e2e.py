@@ -116,6 +116,13 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path):
     assert len(_metrics(tmp_path)) == saved
 
 
+def test_a_kl_term_to_the_frozen_reference_starts_at_zero_and_grows(tmp_path):
+    run(small_config(tmp_path, kl_coef=0.05, train_iters=3), **rendezvous(tmp_path))
+    rows = _metrics(tmp_path)
+    assert 0 <= rows[0]["kl/value"] < 1e-3  # step 1 starts at the reference itself
+    assert rows[-1]["kl/value"] > rows[0]["kl/value"]
+
+
 def test_a_reward_function_that_raises_fails_its_samples_not_the_run(tmp_path, monkeypatch):
     module = tmp_path / "flaky_reward.py"
     module.write_text("def reward(response, answer):\n    raise RuntimeError('broken verifier')\n")
