@@ -6,7 +6,8 @@
 #   HF_CKPT=/shared/Qwen3-30B-A3B PROMPTS=/shared/dapo-math-17k.parquet MASTER_ADDR=node0 \
 #   ROLLOUT_HOSTS="node2 node3" NODE_RANK=0 bash examples/qwen3_moe/run_qwen3_30b_a3b.sh
 #
-# LOSS=vespo|epic|gspo|grpo|... and REPLAY=off|r2|r3 pick the arm; STALENESS is N.
+# LOSS=vespo|epic|gspo|grpo|... and REPLAY=off|r2|r3 pick the arm; STALENESS is N; KL_COEF
+# overrides the recipe's KL coefficient (see RL_ARGS).
 # DRY_RUN=1 prints the commands of this node instead of running them.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -46,12 +47,23 @@ if [[ "${REPLAY}" == r3 ]]; then
   ROLLOUT_ARGS+=(--sglang-return-routed-experts)
 fi
 
+# KL to the frozen initial policy, per recipe (KL_COEF overrides): the EPIC paper's protocol uses
+# 1e-3 for every method it compares, so epic and its baselines (grpo, dapo, gspo) keep it;
+# VESPO's objective has no KL term (and slime's Qwen3-30B-A3B recipe uses 0). A KL term keeps a
+# second copy of the policy's weights per GPU; it waits in host memory between old-logprob passes
+# (--no-reference-offload keeps it on the GPU): see tools/memory_plan.py --reference.
+case "${LOSS}" in
+  epic|grpo|dapo|gspo|gspo_token) DEFAULT_KL=0.001 ;;
+  *) DEFAULT_KL=0 ;;
+esac
+KL_COEF=${KL_COEF:-${DEFAULT_KL}}
+
 RL_ARGS=(
   --loss "${LOSS}"
   --advantage-estimator grpo
   --routing-replay "${REPLAY}"
   --routing-dtype auto
-  --kl-coef 0.001
+  --kl-coef "${KL_COEF}"
 )
 
 OPTIM_ARGS=(
@@ -61,6 +73,7 @@ OPTIM_ARGS=(
   --global-batch-size $(( ROLLOUT_PROMPTS * SAMPLES_PER_PROMPT / STALENESS ))
   --lr 1e-6
   --clip-grad 1.0
+  --use-distributed-optimizer
   --seed 1234
 )
 

@@ -64,3 +64,20 @@ def test_serving_node_starts_one_sglang_server_with_routes_for_r3():
     assert "--tp-size 8" in out and "--ep-size 8" in out and "--skip-tokenizer-init" in out
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in out
     assert "--enable-return-routed-experts" not in _dry_run(3, REPLAY="r2")
+
+
+@pytest.mark.parametrize(
+    ("loss", "env", "kl"),
+    [
+        ("epic", {}, 1e-3),
+        ("gspo", {}, 1e-3),
+        ("vespo", {}, 0.0),
+        ("vespo", {"KL_COEF": "0.01"}, 0.01),
+    ],
+)
+def test_the_kl_coefficient_is_a_per_recipe_choice(loss, env, kl):
+    out = _dry_run(0, LOSS=loss, **env)
+    argv = shlex.split(out.strip())
+    config = parse_args(argv[argv.index("megatron_rl.train") + 1 :])
+    assert config.kl_coef == kl
+    assert config.reference_offload and config.use_distributed_optimizer
