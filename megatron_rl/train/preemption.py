@@ -1,9 +1,11 @@
-"""Graceful stop on SIGTERM/SIGUSR1: the run saves a checkpoint at a step boundary and exits.
+"""Graceful stop on SIGTERM/SIGUSR1: the run saves a checkpoint and exits within one update.
 
 Schedulers (SLURM, Kubernetes) send SIGTERM, or SIGUSR1 with ``--signal``, some time before
-killing a job. The handler only sets a flag; the run loop polls `PreemptionHandler.agreed` once
-per step, which all-reduces the flag (MAX) so that every rank stops after the same step even when
-the signal reached only some of them.
+killing a job (torchrun kills its workers ~30 s after forwarding SIGTERM, while an RL step can
+take minutes). The handler only sets a flag; the trainer polls `PreemptionHandler.agreed` after
+the rollout and before every optimizer step (see `Trainer.step`), and the run loop once more at
+the step boundary. ``agreed`` all-reduces the flag (MAX) so that every rank stops at the same
+point even when the signal reached only some of them.
 """
 
 from __future__ import annotations

@@ -43,7 +43,12 @@ def run(config: TrainConfig, **dist_kwargs) -> dict:
             PreemptionHandler() as preemption,
         ):
             while trainer.step_index < config.train_iters:
-                last = trainer.step()
+                metrics = trainer.step(should_stop=preemption.agreed)
+                if metrics is None:  # stopped after the rollout: the last step is the state
+                    logger.warning("stop signal: saving step %d and exiting", trainer.step_index)
+                    _save(trainer, config)
+                    return last
+                last = metrics
                 run_logger.log(trainer.step_index, last)
                 if trainer.nonfinite.exhausted:
                     _save(trainer, config)

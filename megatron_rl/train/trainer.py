@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -96,12 +97,22 @@ class Trainer:
         self.sync_weights(version=0)
 
     # ------------------------------------------------------------------ phases
-    def step(self) -> dict[str, float]:
-        """One RL step; returns this step's metrics (averaged over all ranks)."""
+    def step(self, should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+        """One RL step; returns this step's metrics (averaged over all ranks).
+
+        ``should_stop`` (a collective, e.g. `PreemptionHandler.agreed`) is asked after the rollout
+        and before every update, so a stop signal is served within one update, not one step:
+        after the rollout the step is abandoned (the prompts are drawn again after a resume) and
+        None is returned; before an update the remaining updates are skipped and the step ends.
+        """
         start = time.perf_counter()
+        sampler_state = self.sampler.state_dict()
         samples, metrics = self.rollout()
+        if should_stop is not None and should_stop():
+            self.sampler.load_state_dict(sampler_state)
+            return None
         metrics["time/rollout"] = time.perf_counter() - start
-        metrics.update(self.train_on(samples))
+        metrics.update(self.train_on(samples, should_stop))
         t = time.perf_counter()
         self.sync_weights(version=self.weight_version + 1)
         metrics["time/sync"] = time.perf_counter() - t
@@ -134,11 +145,13 @@ class Trainer:
             dist.broadcast_object_list(payload, src=self.mp_src, group=self.mp_group)
         return payload[0]
 
-    def train_on(self, samples: list[TrainSample]) -> dict[str, float]:
+    def train_on(
+        self, samples: list[TrainSample], should_stop: Callable[[], bool] | None = None
+    ) -> dict[str, float]:
         """Old-logprob pass and the N optimizer steps over this rank's ``samples``.
 
         Each data-parallel rank passes its own share of the global batch; returns this rank's
-        metrics (not yet averaged over ranks).
+        metrics (not yet averaged over ranks). ``should_stop``: see `step`.
         """
         metrics: dict[str, float] = {}
         mini = self.config.global_batch_size // self.dp
@@ -158,6 +171,9 @@ class Trainer:
         for j, minibatch in enumerate(batches):
             if self.nonfinite.exhausted:  # the run stops after this step; apply nothing more
                 _count(metrics, "update/skipped_stopping")
+                continue
+            if should_stop is not None and should_stop():
+                _count(metrics, "update/skipped_preempted")
                 continue
             self._update(j, minibatch, behaviour[j], metrics)
         metrics["time/update"] = time.perf_counter() - t

@@ -116,6 +116,22 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path):
     assert len(_metrics(tmp_path)) == saved
 
 
+def test_a_stop_request_is_served_within_one_update(tmp_path):
+    """After the rollout: the step is abandoned and its prompts are drawn again; before an
+    update: the remaining updates are skipped and the step ends."""
+    trainer = Trainer(small_config(tmp_path), **rendezvous(tmp_path))
+    try:
+        position = trainer.sampler.state_dict()
+        assert trainer.step(should_stop=lambda: True) is None
+        assert trainer.step_index == 0 and trainer.sampler.state_dict() == position
+        answers = iter([False, False, True])  # after the rollout, update 1, update 2
+        metrics = trainer.step(should_stop=lambda: next(answers))
+        assert trainer.step_index == 1
+        assert metrics["update/skipped_preempted"] == 1.0 and "grad_norm" in metrics  # one ran
+    finally:
+        trainer.close()
+
+
 def test_a_kl_term_to_the_frozen_reference_starts_at_zero_and_grows(tmp_path):
     run(small_config(tmp_path, kl_coef=0.05, train_iters=3), **rendezvous(tmp_path))
     rows = _metrics(tmp_path)
