@@ -1,0 +1,29 @@
+"""tools/gpu_smoke.py rehearsed on the CPU: the same code a GPU run executes, at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_gpu_smoke_rehearsal_resumes_exactly_and_runs_the_slice(tmp_path):
+    out = tmp_path / "smoke.json"
+    argv = ["--device", "cpu", "--quick", "--tokens", "128", "--out", str(out)]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_smoke.py"), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    resume, slice_ = json.loads(out.read_text())
+    assert resume["passed"] and resume["max_abs_param_diff"] == 0.0
+    assert slice_["passed"] and slice_["finite"] and slice_["plan_gib"] > 0

@@ -1,0 +1,177 @@
+"""One-command GPU smoke run (a few minutes on one GPU): the trainer's CUDA path and real sizes.
+
+    python tools/gpu_smoke.py                 # on a GPU machine (CUDA torch, NCCL)
+    python tools/gpu_smoke.py --device cpu --quick   # the same code on a CPU (tests, rehearsal)
+
+(a) The RL trainer on CUDA with NCCL at world size 1, bf16 parameters and megatron's distributed
+    optimizer: 4 uninterrupted steps, then 3 steps saved and resumed for a 4th; the resumed
+    model must equal the uninterrupted one (bitwise on CPU; on CUDA within a bf16 tolerance,
+    since atomics in embedding and expert backward make CUDA runs non-deterministic).
+(b) A Qwen3-30B-A3B-shaped slice (the real hidden size, heads, 128 experts top-8, vocabulary;
+    2 layers) runs the old-logprob pass (forward, log-probs, entropy) and one update (forward,
+    backward, distributed-optimizer step) at ``--tokens`` tokens; the peak GPU memory is printed
+    next to ``tools/memory_plan.py``'s prediction for the same layout.
+
+Needs megatron-core and transformers, not Transformer Engine or SGLang: without TE the local
+layer spec is used (``--transformer-impl local``), whose unfused attention keeps
+``heads x s x s`` scores per layer that the memory plan (which assumes fused attention) leaves
+out; the script prints that term separately. Exit status 0 when every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _step_file(save_dir: str) -> str:
+    with open(os.path.join(save_dir, "latest"), encoding="utf-8") as handle:
+        step = int(handle.read())
+    return os.path.join(save_dir, f"step_{step:08d}", "model_rank00000.pt")
+
+
+def trainer_resume_check(device: str, quick: bool, workdir: str) -> dict:
+    """(a): 4 steps straight vs 3 + resume 1, on ``device``; returns the comparison."""
+    from megatron_rl.train.config import TrainConfig
+    from megatron_rl.train.run import run
+
+    def config(name: str, iters: int, **extra) -> TrainConfig:
+        folder = os.path.join(workdir, name)
+        return TrainConfig(
+            device=device,
+            bf16=True,
+            use_distributed_optimizer=True,
+            transformer_impl="local",
+            train_iters=iters,
+            rollout_batch_size=4 if quick else 16,
+            n_samples_per_prompt=4 if quick else 8,
+            global_batch_size=8 if quick else 64,
+            micro_batch_size=4 if quick else 32,
+            max_response_length=3,
+            run_dir=folder,
+            save=os.path.join(folder, "ckpt"),
+            progress=False,
+            seed=7,
+            **extra,
+        )
+
+    start = time.perf_counter()
+    run(config("straight", 4))
+    run(config("resumed", 3))
+    resumed = config("resumed", 4)
+    run(dataclasses.replace(resumed, load=resumed.save))
+    a = torch.load(_step_file(os.path.join(workdir, "straight", "ckpt")), weights_only=False)
+    b = torch.load(_step_file(os.path.join(workdir, "resumed", "ckpt")), weights_only=False)
+    worst = 0.0
+    for name, tensor in a["model"].items():
+        if torch.is_tensor(tensor) and tensor.is_floating_point():
+            worst = max(worst, float((tensor.float() - b["model"][name].float()).abs().max()))
+    tolerance = 0.0 if device == "cpu" else 2e-2
+    return {
+        "check": "resume equals uninterrupted (bf16, distributed optimizer, 4 steps)",
+        "max_abs_param_diff": worst,
+        "tolerance": tolerance,
+        "passed": worst <= tolerance,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def slice_memory_check(device: str, tokens: int, quick: bool, workdir: str) -> dict:
+    """(b): the 30B-shaped slice at ``tokens`` tokens; measured peak vs the memory plan."""
+    from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_rl.model import ModelOptions, build_model, preset_config
+    from megatron_rl.model.memory import Layout, PlanOptions, plan_memory
+    from megatron_rl.train.logprobs import forward_logits, token_entropy, token_logprobs
+
+    if quick:
+        hf_config = preset_config("tiny")
+    else:
+        hf_config = preset_config("qwen3-30b-a3b", num_hidden_layers=2)
+    init_distributed(ParallelConfig(), init_method=f"file://{workdir}/slice_rdzv", device=device)
+    try:
+        compute = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
+        if compute is not None:
+            torch.cuda.reset_peak_memory_stats()
+        model = wrap_for_training(
+            build_model(hf_config, ModelOptions(dtype="bfloat16", spec="local"))
+        )
+        optimizer = build_optimizer(model, OptimizerConfig(lr=1e-6))
+        tokens = torch.randint(0, hf_config.vocab_size, (1, tokens), device=compute or "cpu")
+        start = time.perf_counter()
+        model.eval()
+        with torch.no_grad():  # the old-logprob pass
+            logits = forward_logits(model, tokens)
+            old = token_logprobs(logits, tokens)
+            entropy = token_entropy(logits)
+            del logits
+        model.train()
+        optimizer.zero_grad()
+        logprobs = token_logprobs(forward_logits(model, tokens), tokens)
+        loss = -(logprobs * torch.randn_like(logprobs)).mean()
+        loss.backward()
+        grad_norm = optimizer.step()
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() if compute is not None else None
+    finally:
+        destroy_distributed()
+    plan = plan_memory(
+        hf_config,
+        Layout.from_world_size(ParallelConfig(), world_size=1),
+        PlanOptions(
+            params_dtype="bfloat16",
+            distributed_optimizer=True,
+            recompute="none",
+            micro_batch_tokens=tokens.numel(),
+            reserve_gib=0.0,
+        ),
+        gpu_gib=1e6,
+    )
+    heads, s = hf_config.num_attention_heads, tokens.numel()
+    unfused_attention = hf_config.num_hidden_layers * heads * s * s * 2 * 2  # scores + probs, bf16
+    return {
+        "check": f"{'tiny' if quick else 'Qwen3-30B-A3B-shaped 2-layer'} slice at {s} tokens",
+        "finite": bool(torch.isfinite(old).all() and torch.isfinite(entropy).all()),
+        "grad_norm": grad_norm,
+        "seconds": round(seconds, 2),
+        "peak_allocated_gib": None if peak is None else round(peak / 2**30, 3),
+        "plan_gib": round(plan.total_bytes / 2**30, 3),
+        "plan_terms_gib": {t.name: round(t.gib, 3) for t in plan.peak.terms if t.on_gpu},
+        "unfused_attention_gib_not_in_plan": round(unfused_attention / 2**30, 3),
+        "passed": grad_norm is not None and bool(torch.isfinite(old).all()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens of the slice's batch")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU rehearsal)")
+    parser.add_argument("--out", help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available (use --device cpu --quick)")
+    from megatron_rl.quiet_imports import quiet_third_party_warnings
+
+    quiet_third_party_warnings()
+    results = []
+    with tempfile.TemporaryDirectory() as workdir:
+        results.append(trainer_resume_check(args.device, args.quick, workdir))
+        print(json.dumps(results[-1]), flush=True)
+        results.append(slice_memory_check(args.device, args.tokens, args.quick, workdir))
+        print(json.dumps(results[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump(results, handle, indent=2)
+    return 0 if all(r["passed"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
