@@ -74,6 +74,7 @@ OPTIM_ARGS=(
   --lr 1e-6
   --clip-grad 1.0
   --use-distributed-optimizer
+  --overlap-grad-reduce
   --seed 1234
 )
 

@@ -60,14 +60,23 @@ class OptimizerConfig:
 
 
 def wrap_for_training(
-    model: torch.nn.Module, *, use_distributed_optimizer: bool = True
+    model: torch.nn.Module,
+    *,
+    use_distributed_optimizer: bool = True,
+    overlap_grad_reduce: bool = False,
 ) -> DistributedDataParallel:
     """megatron-core DDP around ``model`` (fp32 grad buffers; sharded for the distributed
-    optimizer, which must then be chosen in `OptimizerConfig` too)."""
+    optimizer, which must then be chosen in `OptimizerConfig` too).
+
+    ``overlap_grad_reduce``: bucketed gradient reductions start during the backward of the last
+    micro-batch (the caller runs the others under ``model.no_sync()``). Parameter all-gather
+    overlap is not offered: megatron would delay it to the next forward, and the weight sync reads
+    the parameters right after the update.
+    """
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=use_distributed_optimizer,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=overlap_grad_reduce,
     )
     return DistributedDataParallel(model.config, ddp_config, model)
 

@@ -56,6 +56,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
+    overlap_grad_reduce: bool = False  # reduce gradients during the last micro-batch's backward
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -399,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("lr", "weight-decay", "clip-grad", "adam-beta1", "adam-beta2", "adam-eps"):
         add(g, name)
     add(g, "use-distributed-optimizer", action="store_true", help="shard Adam state over DP ranks")
+    add(g, "overlap-grad-reduce", action="store_true", help="overlap DP grad reduction, backward")
 
     g = parser.add_argument_group("RL objective")
     add(g, "loss", choices=available_losses())

@@ -68,7 +68,9 @@ class Trainer:
 
             load_checkpoint(model, checkpoint_dir, self.hf_config)
         self.model = wrap_for_training(
-            model, use_distributed_optimizer=config.use_distributed_optimizer
+            model,
+            use_distributed_optimizer=config.use_distributed_optimizer,
+            overlap_grad_reduce=config.overlap_grad_reduce,
         )
         self.optimizer = build_optimizer(self.model, config.optimizer_config())
         self.objective = config.objective_config()
@@ -240,8 +242,12 @@ class Trainer:
             return
         self.optimizer.zero_grad()
         finite, loss_metrics = True, []
+        last = len(minibatch) - 1
         for i, (mb, entry) in enumerate(zip(minibatch, behaviour, strict=True)):
-            with self.replay.update((j, i), mb.routed()):
+            # gradients are reduced once, after the last micro-batch (overlapped with its
+            # backward under --overlap-grad-reduce)
+            no_sync = self.model.no_sync() if i < last else contextlib.nullcontext()
+            with no_sync, self.replay.update((j, i), mb.routed()):
                 logits = forward_logits(self.model, mb.tokens_BS)
                 logprobs = token_logprobs(logits, mb.tokens_BS, self.config.temperature)
                 if not self.nonfinite.finite(logprobs, entry["mask"]):

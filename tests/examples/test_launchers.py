@@ -81,3 +81,4 @@ def test_the_kl_coefficient_is_a_per_recipe_choice(loss, env, kl):
     config = parse_args(argv[argv.index("megatron_rl.train") + 1 :])
     assert config.kl_coef == kl
     assert config.reference_offload and config.use_distributed_optimizer
+    assert config.overlap_grad_reduce

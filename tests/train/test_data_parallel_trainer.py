@@ -29,16 +29,14 @@ def _share(samples: list, rank: int, world_size: int, global_batch: int) -> list
     return share
 
 
-def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, distributed) -> None:
+def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, optimizer) -> None:
     from pathlib import Path
 
     from trainer_testing import small_config
 
     from megatron_rl.train.trainer import Trainer
 
-    config = small_config(
-        Path(tmp_dir), loss="grpo", use_distributed_optimizer=distributed, **OVERRIDES
-    )
+    config = small_config(Path(tmp_dir), loss="grpo", micro_batch_size=2, **optimizer, **OVERRIDES)
     trainer = Trainer(config, rank=rank, world_size=world_size, init_method=init_method)
     try:
         if world_size == 1:
@@ -64,14 +62,23 @@ def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, distribu
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("distributed", [False, True], ids=["adam", "distributed_adam"])
-def test_two_data_parallel_ranks_make_the_single_rank_update(tmp_path, distributed):
-    """With megatron's distributed optimizer each rank updates only its shard of the state."""
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        {},
+        {"use_distributed_optimizer": True},
+        {"use_distributed_optimizer": True, "overlap_grad_reduce": True},
+    ],
+    ids=["adam", "distributed_adam", "distributed_adam_overlap"],
+)
+def test_two_data_parallel_ranks_make_the_single_rank_update(tmp_path, optimizer):
+    """With megatron's distributed optimizer each rank updates only its shard of the state;
+    with overlap, gradients are reduced once, during the last micro-batch's backward."""
     samples_path = str(tmp_path / "samples.pt")
     for folder in ("dp1", "dp2"):
         (tmp_path / folder).mkdir()
-    spawn_ranks(_train_worker, tmp_path / "dp1", 1, samples_path, distributed)
-    spawn_ranks(_train_worker, tmp_path / "dp2", 2, samples_path, distributed)
+    spawn_ranks(_train_worker, tmp_path / "dp1", 1, samples_path, optimizer)
+    spawn_ranks(_train_worker, tmp_path / "dp2", 2, samples_path, optimizer)
     one = torch.load(tmp_path / "dp1" / "result_ws1_rank0.pt", weights_only=False)
     twos = [
         torch.load(tmp_path / "dp2" / f"result_ws2_rank{r}.pt", weights_only=False)
