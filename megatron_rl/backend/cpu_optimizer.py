@@ -68,7 +68,8 @@ def cpu_factory(factory: Callable) -> Callable:
 
 def _cuda_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs):
     if dtype is None and not kwargs and self.device.type == "cpu":
-        return _REAL_TYPE(self).replace("torch.", "torch.cuda.", 1)
+        name = _REAL_TYPE(self)  # idempotent: a torch function mode may route back through us
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
     return _REAL_TYPE(self, dtype, non_blocking, **kwargs)
 
 

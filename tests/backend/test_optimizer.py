@@ -94,3 +94,13 @@ def test_bad_optimizer_settings_name_the_field():
         OptimizerConfig(lr=float("inf"))
     with pytest.raises(ValueError, match="clip_grad=nan"):
         OptimizerConfig(clip_grad=float("nan"))
+
+
+def test_cuda_type_names_hold_under_a_default_device():
+    """A torch function mode (e.g. ``set_default_device``) must not rename twice."""
+    torch.set_default_device("cpu")
+    try:
+        with cuda_type_names():
+            assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    finally:
+        torch.set_default_device(None)
