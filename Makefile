@@ -16,6 +16,9 @@ $(STAMP): setup.py constraints-cpu.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints-cpu.txt torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e '.[dev]'
+	# SGLang's own code for the contract tests, without its GPU dependencies (never imported
+	# whole: the tests read its functions and dataclasses from the installed sources)
+	$(PY) -m pip install --quiet --no-deps sglang==0.5.23 sglang-router==0.3.2
 	touch $@
 
 main: $(STAMP)
