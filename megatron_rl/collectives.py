@@ -83,6 +83,16 @@ def mean_over_ranks(
     return dict(zip(keys, means, strict=True))
 
 
+def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
+    """``[obj of rank 0, obj of rank 1, ...]`` of ``group`` (picklable objects)."""
+    _, world = rank_and_world_size(group)
+    if world == 1:
+        return [obj]
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank of ``group`` (a no-op without torch.distributed)."""
     if is_distributed():

@@ -23,9 +23,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)  # noqa: T201 (the CLI's own error channel)
         return 2
     quiet_third_party_warnings()
-    from megatron_rl.train.run import run  # megatron-core, transformers: after the flags
+    from megatron_rl.train.run import TrainingStopped, resolve_load, run
 
-    run(config)
+    try:
+        resolve_load(config)  # checked before megatron builds anything
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)  # noqa: T201
+        return 2
+    try:
+        run(config)
+    except TrainingStopped as err:
+        print(f"stopped: {err}", file=sys.stderr)  # noqa: T201
+        return 1
     return 0
 
 

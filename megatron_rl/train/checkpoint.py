@@ -11,15 +11,26 @@ Layout of ``save_dir``::
         rng_rank00000.pt        rank 0's torch/CUDA/python/numpy/megatron-tracker RNG states
         ...
 
-Every rank writes into ``.tmp_step_00000100/``; once all ranks report success, rank 0 fsyncs and
-renames the folder to ``step_00000100`` and only then rewrites ``latest``. A crash at any point
-leaves the previous checkpoint intact and ``latest`` pointing at it; leftover ``.tmp_*`` entries
-are removed by the next save. A checkpoint is resumed with the same world size and parallel
-layout only (convert through the HF export in `megatron_rl.model.conversion` to change layout).
+Every rank writes into ``.tmp_step_00000100/`` and hashes its files (sha256); once all ranks
+report success, rank 0 records every file's size and hash in ``checkpoint.json``, fsyncs, renames
+the folder to ``step_00000100`` and only then rewrites ``latest``. A crash at any point leaves the
+previous checkpoint intact and ``latest`` pointing at it; leftover ``.tmp_*`` entries are removed
+by the next save.
+
+* Complete means: ``checkpoint.json`` parses and every file it lists is there with its size.
+  Loading also checks each rank's files against their sha256 (a flipped byte is a named error;
+  ``fallback=True`` loads the newest older checkpoint that verifies instead).
+* A committed step is never rewritten or renamed aside: saving a step that is already committed
+  only points ``latest`` at it. Old checkpoints are pruned by renaming them to ``.tmp_*`` first,
+  so an interrupted pruning never leaves a step folder that looks loadable.
+
+A checkpoint is resumed with the same world size and parallel layout only (convert through the
+HF export in `megatron_rl.model.conversion` to change layout).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -30,7 +41,7 @@ import torch
 
 from megatron_rl.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from megatron_rl.backend.distributed import initialized_parallel_state
-from megatron_rl.collectives import any_rank, barrier, rank_and_world_size
+from megatron_rl.collectives import all_gather_objects, any_rank, barrier, rank_and_world_size
 from megatron_rl.train.optimizer_state import (
     load_optimizer_state,
     optimizer_difference,
@@ -40,7 +51,7 @@ from megatron_rl.train.rng_state import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checkpoint.json lists every file with its size and sha256
 LATEST_FILE = "latest"
 META_FILE = "checkpoint.json"
 RL_STATE_FILE = "rl_state.json"
@@ -80,21 +91,24 @@ def save_training_state(
     barrier()
     start = time.perf_counter()
     error: Exception | None = None
+    files: dict[str, dict] = {}
     try:
         os.makedirs(staging, exist_ok=True)
         header = {"format_version": FORMAT_VERSION, "layout": _layout(), "coords": _coords()}
-        num_bytes = _save(dict(header, model=model.state_dict()), staging, "model", rank)
-        num_bytes += _save(
-            dict(header, optimizer=optimizer_state(optimizer)), staging, "optim", rank
+        files.update(_save(dict(header, model=model.state_dict()), staging, "model", rank))
+        files.update(
+            _save(dict(header, optimizer=optimizer_state(optimizer)), staging, "optim", rank)
         )
-        num_bytes += _save(dict(header, rng=capture_rng_state()), staging, "rng", rank)
+        files.update(_save(dict(header, rng=capture_rng_state()), staging, "rng", rank))
     except Exception as exc:  # reported to every rank below, so no rank waits forever
         error = exc
     _raise_if_any_rank_failed(error, f"writing step {step} under {staging}")
+    every_file = {k: v for rank_files in all_gather_objects(files) for k, v in rank_files.items()}
+    num_bytes = sum(record["bytes"] for record in files.values())
     if rank == 0:
         try:
             meta = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout()}
-            _commit(save_dir, staging, final, step, rl_state_text, meta, keep_last)
+            _commit(save_dir, staging, final, step, rl_state_text, meta, keep_last, every_file)
         except Exception as exc:
             error = exc
     _raise_if_any_rank_failed(error, f"committing step {step} to {final}")
@@ -126,12 +140,16 @@ def latest_step(load_dir: str) -> int | None:
     return steps[-1] if steps else None
 
 
-def load_training_state(load_dir: str, *, model, optimizer, step: int | None = None) -> dict | None:
+def load_training_state(
+    load_dir: str, *, model, optimizer, step: int | None = None, fallback: bool = False
+) -> dict | None:
     """Load ``step`` (default: the latest) into ``model`` and ``optimizer`` in place.
 
     Collective. Restores this rank's RNG states too. Everything is checked on every rank before
-    anything is modified: a different world size or parallel layout, or a tensor whose name,
-    shape or dtype differs from the model's, raises ValueError naming the difference.
+    anything is modified: a file whose sha256 differs from the one recorded at save, a different
+    world size or parallel layout, or a tensor whose name, shape or dtype differs from the
+    model's, raises ValueError naming the difference. ``fallback=True``: when the checkpoint's
+    files are corrupted, load the newest older checkpoint that verifies instead (logged).
 
     Returns:
         The saved ``rl_state``, or None when ``load_dir`` does not exist or holds no checkpoint.
@@ -151,6 +169,22 @@ def load_training_state(load_dir: str, *, model, optimizer, step: int | None = N
     rank, _ = rank_and_world_size()
     problem: str | None = None
     shards: dict[str, dict] = {}
+    corrupted = _corruption(folder, rank)
+    if any_rank(corrupted is not None):
+        older = [s for s in _complete_steps(load_dir) if s < step]
+        if fallback and older:
+            logger.error(
+                "%s; loading the previous checkpoint, step %d",
+                corrupted or f"{folder}: another rank's files are corrupted",
+                older[-1],
+            )
+            return load_training_state(
+                load_dir, model=model, optimizer=optimizer, step=older[-1], fallback=True
+            )
+        raise ValueError(
+            (corrupted or f"{folder}: another rank's files are corrupted; see its error")
+            + (f" (older complete checkpoints: steps {older})" if older else "")
+        )
     try:
         with open(os.path.join(folder, META_FILE), encoding="utf-8") as handle:
             problem = _layout_difference(json.load(handle)["layout"], _layout(), folder)
@@ -179,35 +213,55 @@ def load_training_state(load_dir: str, *, model, optimizer, step: int | None = N
 # --- commit and housekeeping (rank 0) ---------------------------------------------------------
 
 
-def _commit(save_dir, staging, final, step, rl_state_text, meta, keep_last) -> None:
-    """rl_state + meta into the staging folder, rename it into place, then point ``latest``."""
-    for name, text in ((RL_STATE_FILE, rl_state_text), (META_FILE, json.dumps(meta, indent=2))):
-        path = os.path.join(staging, name)
-        with open(path, "w", encoding="utf-8") as handle:
-            handle.write(text)
+def _commit(save_dir, staging, final, step, rl_state_text, meta, keep_last, files) -> None:
+    """rl_state + meta into the staging folder, rename it into place, then point ``latest``.
+
+    A step that is already committed is kept as it is (never renamed aside: a kill between two
+    renames would lose it); only ``latest`` is pointed at it.
+    """
+    if _is_complete(save_dir, step):
+        logger.warning("step %d is already committed in %s; kept, not rewritten", step, final)
+        _discard(staging, save_dir)
+    else:
+        if os.path.exists(final):  # an incomplete folder: never loadable, replace it
+            _discard(final, save_dir)
+        with open(os.path.join(staging, RL_STATE_FILE), "w", encoding="utf-8") as handle:
+            handle.write(rl_state_text)
             handle.flush()
             os.fsync(handle.fileno())
-    fsync_dir(staging)
-    replaced = None
-    if os.path.exists(final):  # re-saving a step (e.g. after resuming from an older one)
-        replaced = os.path.join(save_dir, f".tmp_replaced_{step_dir_name(step)}")
-        os.replace(final, replaced)
-    os.replace(staging, final)
-    fsync_dir(save_dir)
+        files = dict(files, **_file_record(staging, RL_STATE_FILE))
+        with open(os.path.join(staging, META_FILE), "w", encoding="utf-8") as handle:
+            handle.write(json.dumps(dict(meta, files=files), indent=2))
+            handle.flush()
+            os.fsync(handle.fileno())
+        fsync_dir(staging)
+        os.replace(staging, final)
+        fsync_dir(save_dir)
     latest = os.path.join(save_dir, LATEST_FILE)
     atomic_write_text(latest, f"{step}\n")
     fsync_file(latest)
     fsync_dir(save_dir)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
     _prune(save_dir, step, keep_last)
 
 
+def _discard(folder: str, save_dir: str) -> None:
+    """Remove ``folder`` by renaming it to a ``.tmp_`` name first (a kill leaves only a leftover
+    the next save removes, never a half-deleted step folder)."""
+    doomed = os.path.join(save_dir, f".tmp_discard_{os.path.basename(folder)}_{time.time_ns()}")
+    os.replace(folder, doomed)
+    fsync_dir(save_dir)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _prune(save_dir: str, step: int, keep_last: int) -> None:
+    """Keep ``step`` and the ``keep_last - 1`` newest complete steps before it; discard every
+    older step folder and every incomplete one (they can never be loaded)."""
     steps = _complete_steps(save_dir)
     older = [s for s in steps if s < step]
-    for old in older[: max(0, len(older) - (keep_last - 1))]:
-        shutil.rmtree(os.path.join(save_dir, step_dir_name(old)), ignore_errors=True)
+    keep = set(older[max(0, len(older) - (keep_last - 1)) :]) | {s for s in steps if s >= step}
+    for name in sorted(os.listdir(save_dir)):
+        if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) not in keep:
+            _discard(os.path.join(save_dir, name), save_dir)
     newer = [s for s in steps if s > step]
     if newer:
         logger.warning("%s holds checkpoints newer than step %d: %s (kept)", save_dir, step, newer)
@@ -232,15 +286,64 @@ def _complete_steps(folder: str) -> list[int]:
     return sorted(steps)
 
 
+def _meta(folder: str) -> dict | None:
+    try:
+        with open(os.path.join(folder, META_FILE), encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
 def _is_complete(folder: str, step: int) -> bool:
-    return os.path.isfile(os.path.join(folder, step_dir_name(step), META_FILE))
+    """``checkpoint.json`` parses and every file it lists is there with its recorded size."""
+    step_dir = os.path.join(folder, step_dir_name(step))
+    meta = _meta(step_dir)
+    if meta is None:
+        return False
+    for name, record in meta.get("files", {}).items():
+        path = os.path.join(step_dir, name)
+        if not os.path.isfile(path) or os.path.getsize(path) != record["bytes"]:
+            return False
+    return True
 
 
-def _save(obj: dict, folder: str, kind: str, rank: int) -> int:
-    path = os.path.join(folder, f"{kind}_rank{rank:05d}.pt")
-    torch.save(obj, path)
-    fsync_file(path)
-    return os.path.getsize(path)
+def _corruption(step_dir: str, rank: int) -> str | None:
+    """Why this rank's files in ``step_dir`` differ from their recorded sha256, or None."""
+    records = (_meta(step_dir) or {}).get("files", {})
+    names = [f"{kind}_rank{rank:05d}.pt" for kind in ("model", "optim", "rng")]
+    if rank == 0:
+        names.append(RL_STATE_FILE)
+    for name in names:
+        if name not in records:
+            continue  # a checkpoint from before checksums (format 1)
+        digest = _sha256(os.path.join(step_dir, name))
+        if digest != records[name]["sha256"]:
+            return (
+                f"{os.path.join(step_dir, name)} is corrupted: sha256 {digest[:16]}... differs "
+                f"from {records[name]['sha256'][:16]}... recorded at save"
+            )
+    return None
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_record(folder: str, name: str) -> dict[str, dict]:
+    path = os.path.join(folder, name)
+    return {name: {"bytes": os.path.getsize(path), "sha256": _sha256(path)}}
+
+
+def _save(obj: dict, folder: str, kind: str, rank: int) -> dict[str, dict]:
+    """Write one shard file, fsynced; its ``{name: {bytes, sha256}}`` record."""
+    name = f"{kind}_rank{rank:05d}.pt"
+    torch.save(obj, os.path.join(folder, name))
+    fsync_file(os.path.join(folder, name))
+    return _file_record(folder, name)
 
 
 # --- layout and collectives ------------------------------------------------------------------

@@ -1,14 +1,27 @@
-"""The training run: steps, logging, checkpoints, preemption, the learning-curve picture."""
+"""The training run: steps, logging, checkpoints, preemption, the learning-curve picture.
+
+Stop signals are handled from the first line (before the model is built): a SIGTERM during
+start-up ends the run with status 0 before the first step; later ones are served within one
+update (see `Trainer.step`). Every stop saves the last consistent state when ``--save`` is set,
+and says so when it is not. A step is saved at most once.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import re
 
 import torch.distributed as dist
 
-from megatron_rl.train.checkpoint import load_training_state, save_training_state
+from megatron_rl.train.checkpoint import (
+    META_FILE,
+    latest_step,
+    load_training_state,
+    save_training_state,
+)
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.preemption import PreemptionHandler
 from megatron_rl.train.run_logger import RunLogger, plot_learning_curve
@@ -16,72 +29,121 @@ from megatron_rl.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
+_STEP_FOLDER = re.compile(r"step_(\d{8})")
+
 
 class TrainingStopped(RuntimeError):
     """Too many consecutive non-finite updates; the last good state was saved."""
 
 
+def resolve_load(config: TrainConfig) -> tuple[str, int | None] | None:
+    """``(checkpoint root, step or None for the latest)`` of ``--load``, or None to start fresh.
+
+    A missing path or one without a checkpoint is an error, unless it is the ``--save`` folder
+    (auto-resume: the first run starts fresh). A step folder (``root/step_00000100``) is loaded as
+    that step of its root.
+    """
+    if not config.load:
+        return None
+    path = os.path.normpath(config.load)
+    same_as_save = config.save is not None and path == os.path.normpath(config.save)
+    match = _STEP_FOLDER.fullmatch(os.path.basename(path))
+    if match and os.path.isfile(os.path.join(path, META_FILE)):
+        root = os.path.dirname(path) or "."
+        logger.info("--load names a step folder: loading step %s of %s", int(match[1]), root)
+        return root, int(match[1])
+    if os.path.isdir(path) and latest_step(path) is not None:
+        return path, None
+    if same_as_save:
+        logger.info("no checkpoint in %s yet: starting fresh", path)
+        return None
+    what = "does not exist" if not os.path.exists(path) else "holds no complete checkpoint"
+    raise ValueError(
+        f"--load {config.load} {what}: pass a checkpoint root (the --save folder of an earlier "
+        "run, holding step_XXXXXXXX folders) or one of its step folders, or drop --load"
+    )
+
+
 def run(config: TrainConfig, **dist_kwargs) -> dict:
     """Train for ``config.train_iters`` steps; returns the last step's metrics."""
-    trainer = Trainer(config, **dist_kwargs)
-    last: dict = {}
-    try:
-        if config.load:
+    load = resolve_load(config)  # a bad --load fails before anything is built
+    with contextlib.ExitStack() as stack:
+        preemption = stack.enter_context(PreemptionHandler())
+        trainer = Trainer(config, **dist_kwargs)
+        stack.callback(trainer.close)
+        saver = _Saver(trainer, config)
+        if load is not None:
+            root, step = load
             state = load_training_state(
-                config.load, model=trainer.model, optimizer=trainer.optimizer
+                root, model=trainer.model, optimizer=trainer.optimizer, step=step
             )
-            if state is not None:
-                trainer.load_state_dict(state)
-                logger.info("resumed from %s at step %d", config.load, trainer.step_index)
-        is_main = dist.get_rank() == 0
-        log_config = config.logger_config()
-        run_config = dataclasses.asdict(config)
-        with (
-            RunLogger(
-                log_config, run_config=run_config, is_main=is_main, initial_step=trainer.step_index
-            ) as run_logger,
-            PreemptionHandler() as preemption,
-        ):
-            while trainer.step_index < config.train_iters:
-                metrics = trainer.step(should_stop=preemption.agreed)
-                if metrics is None:  # stopped after the rollout: the last step is the state
-                    logger.warning("stop signal: saving step %d and exiting", trainer.step_index)
-                    _save(trainer, config)
-                    return last
-                last = metrics
-                run_logger.log(trainer.step_index, last)
-                if trainer.nonfinite.exhausted:
-                    _save(trainer, config)
-                    raise TrainingStopped(trainer.nonfinite.stop_message(trainer.step_index))
-                interval = config.save_interval
-                if interval and trainer.step_index % interval == 0:
-                    _save(trainer, config)
-                if preemption.agreed():
-                    logger.warning(
-                        "preemption signal: saving at step %d and exiting", trainer.step_index
-                    )
-                    _save(trainer, config)
-                    return last
-            if config.save:
-                _save(trainer, config)
-        if is_main:
-            metrics_path = os.path.join(config.run_dir, "metrics.jsonl")
-            if os.path.exists(metrics_path):
-                plot_learning_curve(
-                    metrics_path, os.path.join(config.run_dir, "learning_curve.png")
-                )
-        return last
-    finally:
-        trainer.close()
+            trainer.load_state_dict(state)
+            saver.saved_step = trainer.step_index  # that step is on disk already
+            logger.info("resumed from %s at step %d", root, trainer.step_index)
+        if preemption.agreed():
+            logger.warning("stop signal during start-up: exiting before the first step")
+            return {}
+        return _train(trainer, config, preemption, saver)
 
 
-def _save(trainer: Trainer, config: TrainConfig) -> None:
-    if not config.save:
-        return
-    save_training_state(
-        config.save,
-        trainer.step_index,
-        model=trainer.model,
-        optimizer=trainer.optimizer,
-        rl_state=trainer.state_dict(),
-    )
+def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> dict:
+    last: dict = {}
+    is_main = dist.get_rank() == 0
+    run_config = dataclasses.asdict(config)
+    with RunLogger(
+        config.logger_config(),
+        run_config=run_config,
+        is_main=is_main,
+        initial_step=trainer.step_index,
+    ) as run_logger:
+        while trainer.step_index < config.train_iters:
+            metrics = trainer.step(should_stop=preemption.agreed)
+            if metrics is None:  # stopped after the rollout: the last step is the state
+                saver.save_and_stop("stop signal")
+                return last
+            last = metrics
+            run_logger.log(trainer.step_index, last)
+            if trainer.nonfinite.exhausted:
+                saver.save_and_stop("non-finite updates")
+                raise TrainingStopped(trainer.nonfinite.stop_message(trainer.step_index))
+            interval = config.save_interval
+            if interval and trainer.step_index % interval == 0:
+                saver.save()
+            if preemption.agreed():
+                saver.save_and_stop("stop signal")
+                return last
+        saver.save()
+    if is_main:
+        metrics_path = os.path.join(config.run_dir, "metrics.jsonl")
+        if os.path.exists(metrics_path):
+            plot_learning_curve(metrics_path, os.path.join(config.run_dir, "learning_curve.png"))
+    return last
+
+
+class _Saver:
+    """Saves the trainer's state at most once per step (never a second copy of a step)."""
+
+    def __init__(self, trainer: Trainer, config: TrainConfig) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.saved_step: int | None = None
+
+    def save(self) -> None:
+        if not self.config.save or self.saved_step == self.trainer.step_index:
+            return
+        save_training_state(
+            self.config.save,
+            self.trainer.step_index,
+            model=self.trainer.model,
+            optimizer=self.trainer.optimizer,
+            rl_state=self.trainer.state_dict(),
+        )
+        self.saved_step = self.trainer.step_index
+
+    def save_and_stop(self, why: str) -> None:
+        step = self.trainer.step_index
+        if self.config.save:
+            logger.warning("%s: saving step %d to %s and exiting", why, step, self.config.save)
+        else:
+            logger.warning("%s: exiting at step %d (no --save: nothing is saved)", why, step)
+        self.save()

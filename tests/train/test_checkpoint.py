@@ -183,11 +183,48 @@ def test_keep_last_prunes_oldest_checkpoints_after_commit(tmp_path):
         _save_linear(save_dir, step, seed=step, keep_last=2)
     assert sorted(os.listdir(save_dir)) == ["latest", "step_00000030", "step_00000040"]
     assert latest_step(str(save_dir)) == 40
-    _save_linear(save_dir, 40, seed=41, keep_last=1)  # re-saving a step replaces it
+    _save_linear(save_dir, 40, seed=41, keep_last=1)  # a committed step is never rewritten
     assert sorted(os.listdir(save_dir)) == ["latest", "step_00000040"]
     model, optimizer = _linear(0)
     load_training_state(str(save_dir), model=model, optimizer=optimizer)
-    assert torch.equal(model.weight, _linear(41)[0].weight)
+    assert torch.equal(model.weight, _linear(40)[0].weight)
+
+
+def _flip_a_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_a_named_error_or_falls_back_to_the_previous_step(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    _save_linear(save_dir, 1, seed=1)
+    _save_linear(save_dir, 2, seed=2)
+    _flip_a_byte(save_dir / "step_00000002" / "model_rank00000.pt")
+    model, optimizer = _linear(0)
+    with pytest.raises(ValueError, match=r"model_rank00000\.pt is corrupted.*steps \[1\]"):
+        load_training_state(str(save_dir), model=model, optimizer=optimizer)
+    assert load_training_state(str(save_dir), model=model, optimizer=optimizer, fallback=True) == {
+        "step": 1
+    }
+    assert torch.equal(model.weight, _linear(1)[0].weight)
+
+
+def test_a_missing_shard_makes_a_step_incomplete(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    _save_linear(save_dir, 1, seed=1)
+    _save_linear(save_dir, 2, seed=2)
+    (save_dir / "step_00000002" / "optim_rank00000.pt").unlink()
+    assert latest_step(str(save_dir)) == 1  # latest names 2, which is no longer complete
+
+
+def test_pruning_removes_incomplete_step_folders_left_by_a_kill(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    _save_linear(save_dir, 1, seed=1)
+    (save_dir / "step_00000000").mkdir()  # e.g. a pruning killed after checkpoint.json went
+    (save_dir / "step_00000000" / "model_rank00000.pt").write_bytes(b"half")
+    _save_linear(save_dir, 2, seed=2, keep_last=2)
+    assert sorted(os.listdir(save_dir)) == ["latest", "step_00000001", "step_00000002"]
 
 
 def test_bad_arguments_raise_before_writing(tmp_path):
@@ -227,3 +264,15 @@ def test_two_rank_expert_parallel_shards_round_trip(tmp_path):
             load_training_state(str(tmp_path / "ckpt"), model=model, optimizer=optimizer)
     finally:
         destroy_distributed()
+
+
+def test_load_accepts_a_step_folder_as_that_step_of_its_root(tmp_path):
+    from megatron_rl.train.config import TrainConfig
+    from megatron_rl.train.run import resolve_load
+
+    save_dir = tmp_path / "ckpt"
+    _save_linear(save_dir, 1, seed=1)
+    _save_linear(save_dir, 2, seed=2)
+    step_folder = str(save_dir / "step_00000001")
+    assert resolve_load(TrainConfig(load=step_folder)) == (str(save_dir), 1)
+    assert resolve_load(TrainConfig(load=str(save_dir))) == (str(save_dir), None)

@@ -129,3 +129,16 @@ def test_transformer_impl_chooses_the_layer_spec():
     assert parse_args(["--transformer-impl", "local"]).model_options().spec == "local"
     te = parse_args(["--transformer-impl", "transformer_engine"])
     assert te.model_options().spec == "te"
+
+
+def test_a_load_path_without_a_checkpoint_is_an_error_unless_it_is_the_save_folder(tmp_path):
+    from megatron_rl.train.run import resolve_load
+
+    missing = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"--load .*nope does not exist"):
+        resolve_load(parse_args(["--load", missing]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no complete checkpoint"):
+        resolve_load(parse_args(["--load", str(tmp_path / "empty")]))
+    assert resolve_load(parse_args(["--load", missing, "--save", missing])) is None  # fresh
+    assert main(["--load", missing]) == 2

@@ -104,7 +104,7 @@ def _latest_model_file(folder):
 
 
 def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path):
-    config = small_config(tmp_path, train_iters=50, save=str(tmp_path / "ckpt"))
+    config = small_config(tmp_path, train_iters=5000, save=str(tmp_path / "ckpt"))
     timer = threading.Timer(8.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
     timer.start()
     try:
@@ -112,7 +112,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path):
     finally:
         timer.cancel()
     saved = int((tmp_path / "ckpt" / "latest").read_text())
-    assert 1 <= saved < 50
+    assert 1 <= saved < 5000
     assert len(_metrics(tmp_path)) == saved
 
 
@@ -137,6 +137,20 @@ def test_a_kl_term_to_the_frozen_reference_starts_at_zero_and_grows(tmp_path):
     rows = _metrics(tmp_path)
     assert 0 <= rows[0]["kl/value"] < 1e-3  # step 1 starts at the reference itself
     assert rows[-1]["kl/value"] > rows[0]["kl/value"]
+
+
+def test_sigterm_during_start_up_exits_cleanly_before_the_first_step(tmp_path, caplog, monkeypatch):
+    import megatron_rl.train.run as run_module
+
+    class SignalledWhileBuilding(Trainer):
+        def __init__(self, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while the model is being built
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "Trainer", SignalledWhileBuilding)
+    assert run(small_config(tmp_path, train_iters=5), **rendezvous(tmp_path)) == {}
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
+    assert "during start-up" in caplog.text
 
 
 def test_a_reward_function_that_raises_fails_its_samples_not_the_run(tmp_path, monkeypatch):
