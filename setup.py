@@ -36,6 +36,8 @@ setup(
         "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff==0.17.6"],
         # Cluster extras. Transformer Engine needs CUDA headers to build; never install on CPU.
         "gpu": ["transformer-engine[pytorch]>=2.4"],
-        "sglang": ["sglang>=0.5.4", "sglang-router>=0.2"],
+        # 0.5.10: first release whose --skip-tokenizer-init responses base64-encode routed experts
+        # (0.5.7-0.5.9 put a raw tensor in the JSON); contract-tested against 0.5.23 (Makefile)
+        "sglang": ["sglang>=0.5.10", "sglang-router>=0.3.2"],
     },
 )
