@@ -91,6 +91,8 @@ class PaddedInputs:
 
     def sequence_advantages_B(self) -> torch.Tensor:
         """``[B]`` advantage at each sequence's first masked-in token (0 for empty rows)."""
+        if self.mask_BT.shape[-1] == 0:  # zero-length rows: no token, no advantage
+            return self.advantages_BT.new_zeros(self.mask_BT.shape[:-1])
         first_T = self.mask_BT.to(torch.uint8).argmax(dim=-1, keepdim=True)
         return self.advantages_BT.gather(1, first_T).squeeze(1)
 
@@ -110,6 +112,11 @@ def prepare_inputs(
     """
     if not isinstance(logprobs, torch.Tensor) or not logprobs.is_floating_point():
         raise ValueError("logprobs must be a floating-point torch.Tensor")
+    if logprobs.dtype == torch.float16:
+        raise ValueError(
+            "logprobs is float16: importance ratios up to e^20 overflow float16 (max 65504) in "
+            "the per-token loss and its gradient; pass float32 (logprobs.float()) or bfloat16"
+        )
     packed = cu_seqlens is not None
     if packed and logprobs.dim() != 1:
         raise ValueError(

@@ -40,7 +40,8 @@ def compute_policy_loss(
 
     Args:
         logprobs: ``[B, T]`` (or packed ``[N]`` with ``cu_seqlens``) log pi_theta of the taken
-            tokens; float32/bf16/fp16 are computed in float32, float64 in float64.
+            tokens; float32/bf16 are computed in float32, float64 in float64; float16 is
+            refused (its range cannot hold the capped ratios).
         old_logprobs: same shape, behaviour-policy log-probs (treated as detached).
         advantages: ``[B]`` (packed: ``[S]``) one per sequence, or one per token (same shape as
             ``logprobs``). Sequence-level losses (gspo, vespo, topr) need one per sequence.

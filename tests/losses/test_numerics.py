@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.losses import compute_policy_loss
+from megatron_rl.losses import available_losses, compute_policy_loss
 
 PAPER_LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "vespo", "epic", "sapo", "cispo", "topr")
 
@@ -63,3 +63,36 @@ def test_any_finite_input_gives_finite_loss_and_gradient(name, data, adv):
     olp = torch.tensor([[min(y, 0.0) for _, y, _ in data]] * 2)
     mask = torch.tensor([[m for _, _, m in data], [True] * T])
     _finite_loss_and_grad(name, lp, olp, torch.tensor(adv), mask)
+
+
+@pytest.mark.parametrize("name", available_losses())
+def test_zero_length_batches_are_handled_the_same_by_every_loss(name):
+    """No response token at all: a named ValueError without global counts, a zero loss with
+    them (vespo and topr used to raise IndexError from an argmax over an empty axis)."""
+    logprobs = torch.zeros(2, 0, requires_grad=True)
+    inputs = dict(
+        logprobs=logprobs,
+        old_logprobs=logprobs.detach(),
+        advantages=torch.ones(2),
+        loss_mask=torch.ones(2, 0, dtype=torch.bool),
+    )
+    with pytest.raises(ValueError, match="loss_mask selects no"):
+        compute_policy_loss(name, **inputs)
+    out = compute_policy_loss(
+        name, global_num_tokens=8, global_num_seqs=2, max_response_length=4, **inputs
+    )
+    assert float(out.loss) == 0.0
+    out.loss.backward()
+
+
+def test_float16_log_probs_are_refused_with_the_fix():
+    """fp16 would overflow: ratios up to e^20 gave inf per-token losses and gradients."""
+    logprobs = torch.zeros(1, 3, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"float16.*pass float32"):
+        compute_policy_loss(
+            "grpo",
+            logprobs=logprobs,
+            old_logprobs=logprobs - 15,
+            advantages=torch.ones(1),
+            loss_mask=torch.ones(1, 3, dtype=torch.bool),
+        )
