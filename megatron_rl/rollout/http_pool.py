@@ -3,10 +3,20 @@
 Standard library only (``http.client``): one short-lived connection per request, so a request
 that timed out or failed can never deliver a late answer into a retried slot.
 
-Retried: connection errors (refused, reset, dropped mid-answer), timeouts, HTTP 5xx. Not
-retried: HTTP 4xx and malformed JSON (a broken protocol; `RuntimeError`). A server that fails is
-marked down for ``down_s`` seconds and the retry goes to another server; when every server is
-down, the pool probes ``/health`` on each before giving up with `NoHealthyServerError`.
+Retried: connection errors (refused, reset, dropped mid-answer), read timeouts, HTTP 5xx. Not
+retried: HTTP 4xx and malformed JSON (a broken protocol; `RuntimeError`). A server that refused
+or dropped the connection or answered 5xx is marked down for ``down_s`` seconds and the retry goes
+to another server; a read timeout also moves the retry to another server when there is one, but
+does not mark the server down (a long generation on a busy, healthy server is not a fault). When
+every server is down, the pool probes ``/health`` on each (in parallel) before giving up with
+`NoHealthyServerError`.
+
+Timeouts follow SGLang 0.5's handlers (``sglang/srt/entrypoints/http_server.py``): ``/health``
+generates one token and sleeps 1 s before its first check, answering 503 only after
+``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), so ``health_timeout_s`` defaults to 30 s; ``/generate``
+has no read timeout unless ``request_timeout_s`` is set (the connect timeout always applies);
+``/flush_cache?timeout=T`` waits up to T s for the server to be idle and answers 400 if it is
+not, which `HttpPool.flush_cache` retries until ``flush_timeout_s``.
 """
 
 from __future__ import annotations
@@ -18,8 +28,15 @@ import logging
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 logger = logging.getLogger(__name__)
+
+# SGLang's /health answers no sooner than this (its handler's first ``asyncio.sleep(1)``) and no
+# later than SGLANG_HEALTH_CHECK_TIMEOUT (default 20 s); health timeouts must exceed both.
+SGLANG_HEALTH_MIN_S = 1.0
+SGLANG_HEALTH_CHECK_TIMEOUT_S = 20.0
 
 
 class NoHealthyServerError(RuntimeError):
@@ -30,37 +47,51 @@ class ServerError(RuntimeError):
     """A server answered with a non-retryable error (4xx, bad JSON)."""
 
 
+class ReadTimeout(TimeoutError):
+    """Connected, but no (complete) answer within the read timeout: the server may be busy."""
+
+
 class _Retryable(Exception):
-    pass
+    def __init__(self, message: str, *, mark_down: bool = True) -> None:
+        super().__init__(message)
+        self.mark_down = mark_down
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class HttpPoolConfig:
-    """Timeouts (seconds) and the retry policy of `HttpPool`."""
+    """Timeouts (seconds) and the retry policy of `HttpPool`.
+
+    ``request_timeout_s``: read timeout of ``/generate`` and control calls; None (the default)
+    waits as long as the server takes (generations can be long; a dead server is still noticed
+    through a refused or reset connection). ``health_timeout_s``: one ``/health`` probe, > 20 s
+    (SGLang's own health-check timeout). ``flush_timeout_s``: how long `HttpPool.flush_cache`
+    waits for a server to become idle.
+    """
 
     urls: tuple[str, ...]
     connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float | None = None
     max_attempts: int = 4
     backoff_s: float = 0.2
     backoff_max_s: float = 5.0
     down_s: float = 10.0
-    health_timeout_s: float = 2.0
+    health_timeout_s: float = 30.0
+    flush_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         self.urls = tuple(self.urls)
         if not self.urls:
             raise ValueError("HttpPoolConfig.urls=(): give at least one server or router URL")
         for url in self.urls:
-            parsed = urllib.parse.urlparse(url)
-            if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
-                raise ValueError(
-                    f"HttpPoolConfig.urls holds {url!r}: use 'http://host:port' (https is not "
-                    "supported by this client)"
-                )
-        for name in ("connect_timeout_s", "request_timeout_s", "health_timeout_s"):
+            check_url(url, "HttpPoolConfig.urls")
+        for name in ("connect_timeout_s", "health_timeout_s", "flush_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"HttpPoolConfig.{name}={getattr(self, name)!r}: must be > 0")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(
+                f"HttpPoolConfig.request_timeout_s={self.request_timeout_s!r}: must be > 0, or "
+                "None for no read timeout"
+            )
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"HttpPoolConfig.max_attempts={self.max_attempts!r}: must be >= 1")
         if self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
@@ -70,18 +101,43 @@ class HttpPoolConfig:
             )
 
 
-def request_json(
-    url: str, method: str, path: str, payload: object | None, *, timeout_s: float
-) -> tuple[int, object]:
-    """One HTTP request; returns (status, decoded JSON or text). Raises OSError-family errors."""
+def check_url(url: str, where: str) -> None:
     parsed = urllib.parse.urlparse(url)
-    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=timeout_s)
+    if parsed.scheme != "http" or not parsed.hostname or not parsed.port:
+        raise ValueError(
+            f"{where} holds {url!r}: use 'http://host:port' (https is not supported by this client)"
+        )
+
+
+def request_json(
+    url: str,
+    method: str,
+    path: str,
+    payload: object | None,
+    *,
+    timeout_s: float | None,
+    connect_timeout_s: float | None = None,
+) -> tuple[int, object]:
+    """One HTTP request; returns (status, decoded JSON or text).
+
+    ``connect_timeout_s`` bounds the TCP connect (default: ``timeout_s``); ``timeout_s`` bounds
+    each read after it (None: no read timeout). Raises OSError-family errors; a timeout after the
+    connection was made is a `ReadTimeout`.
+    """
+    parsed = urllib.parse.urlparse(url)
+    connect = connect_timeout_s if connect_timeout_s is not None else timeout_s
+    conn = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=connect)
     try:
+        conn.connect()
+        conn.sock.settimeout(timeout_s)
         body = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
-        conn.request(method, path, body=body, headers=headers)
-        response = conn.getresponse()
-        raw = response.read()
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            raw = response.read()
+        except TimeoutError as err:
+            raise ReadTimeout(f"no answer within {timeout_s} s") from err
     finally:
         conn.close()
     text = raw.decode("utf-8", errors="replace")
@@ -103,16 +159,30 @@ class HttpPool:
 
     # ------------------------------------------------------------------ health
     def probe(self, url: str) -> bool:
-        """GET /health on ``url``; marks it up or down."""
+        """GET /health on ``url`` (SGLang: a one-token generation, >= 1 s); marks it up or down."""
         try:
             status, _ = request_json(
-                url, "GET", "/health", None, timeout_s=self.config.health_timeout_s
+                url,
+                "GET",
+                "/health",
+                None,
+                timeout_s=self.config.health_timeout_s,
+                connect_timeout_s=self.config.connect_timeout_s,
             )
         except (OSError, http.client.HTTPException):
             status = 0
         with self._lock:
             self._down_until[url] = 0.0 if status == 200 else time.monotonic() + self.config.down_s
         return status == 200
+
+    def probe_all(self, urls: Sequence[str] | None = None) -> list[str]:
+        """`probe` every url at once (each takes >= 1 s on SGLang); the healthy ones, in order."""
+        urls = list(self.config.urls if urls is None else urls)
+        if len(urls) == 1:
+            return urls if self.probe(urls[0]) else []
+        with ThreadPoolExecutor(max_workers=len(urls)) as threads:
+            ok = list(threads.map(self.probe, urls))
+        return [u for u, up in zip(urls, ok, strict=True) if up]
 
     def healthy_urls(self) -> list[str]:
         now = time.monotonic()
@@ -127,7 +197,7 @@ class HttpPool:
     def _pick(self, avoid: str | None) -> str:
         candidates = self.healthy_urls()
         if not candidates:
-            candidates = [u for u in self.config.urls if self.probe(u)]
+            candidates = self.probe_all()
         if not candidates:
             raise NoHealthyServerError(
                 f"no healthy rollout server among {list(self.config.urls)} (all failed /health)"
@@ -140,12 +210,29 @@ class HttpPool:
         return url
 
     # ------------------------------------------------------------------ requests
-    def post(self, path: str, payload: object, *, what: str = "request") -> object:
+    def post(
+        self,
+        path: str,
+        payload: object,
+        *,
+        what: str = "request",
+        on_timeout: Callable[[str, object], None] | None = None,
+    ) -> object:
         """POST to one healthy server, retrying and failing over; returns the decoded answer."""
-        return self.call("POST", path, payload, what=what)
+        return self.call("POST", path, payload, what=what, on_timeout=on_timeout)
 
-    def call(self, method: str, path: str, payload: object | None, *, what: str) -> object:
-        """``payload`` may be a callable: called once per attempt (e.g. for a fresh request id)."""
+    def call(
+        self,
+        method: str,
+        path: str,
+        payload: object | None,
+        *,
+        what: str,
+        on_timeout: Callable[[str, object], None] | None = None,
+    ) -> object:
+        """``payload`` may be a callable: called once per attempt (e.g. for a fresh request id);
+        an exception it raises ends the call (e.g. the batch was cancelled). ``on_timeout(url,
+        payload)`` runs after a read timeout, before the retry (e.g. to abort that request)."""
         last_error = "no attempt"
         url = None
         for attempt in range(self.config.max_attempts):
@@ -154,12 +241,21 @@ class HttpPool:
                 delay = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))
                 time.sleep(delay)
             url = self._pick(avoid=url)
+            body = None
             try:
                 body = payload() if callable(payload) else payload
                 return self._once(url, method, path, body)
             except _Retryable as err:
                 last_error = f"{url}: {err}"
-                self._mark_down(url, str(err))
+                if err.mark_down:
+                    self._mark_down(url, str(err))
+                else:
+                    logger.warning("%s on %s: %s; retrying elsewhere", what, url, err)
+                    if on_timeout is not None:
+                        try:
+                            on_timeout(url, body)
+                        except Exception as hook_err:  # best effort: the retry matters more
+                            logger.warning("on_timeout for %s failed: %s", url, hook_err)
             finally:
                 with self._lock:
                     self._in_flight[url] -= 1
@@ -167,23 +263,86 @@ class HttpPool:
             f"{what} failed after {self.config.max_attempts} attempts; last error {last_error}"
         )
 
-    def call_on(self, url: str, method: str, path: str, payload: object | None) -> object:
-        """One request to a specific server (control calls), no retry; errors are RuntimeError."""
+    def call_on(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        payload: object | None,
+        *,
+        timeout_s: float | None = None,
+    ) -> object:
+        """One request to a specific server (control calls), no retry; errors are RuntimeError.
+
+        ``timeout_s``: the read timeout (default ``request_timeout_s``).
+        """
         try:
-            return self._once(url, method, path, payload)
+            return self._once(url, method, path, payload, timeout_s=timeout_s)
         except _Retryable as err:
             raise RuntimeError(f"{method} {url}{path} failed: {err}") from err
 
-    def _once(self, url: str, method: str, path: str, payload: object | None) -> object:
-        timeout = max(self.config.connect_timeout_s, self.config.request_timeout_s)
+    def flush_cache(self, url: str, timeout_s: float | None = None) -> None:
+        """``/flush_cache`` on ``url``, waiting up to ``timeout_s`` (default ``flush_timeout_s``)
+        for the server to be idle.
+
+        SGLang answers 400 (plain text) while requests are running or queued, or while another
+        flush is pending; its ``timeout`` query parameter (seconds, >= 0) makes the server wait
+        for idle itself. Each attempt passes the time left; a 400 is retried until the deadline.
+        Raises RuntimeError when the server is still busy then, or on any other error.
+        """
+        budget = self.config.flush_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            path = f"/flush_cache?timeout={left:.3f}"
+            try:
+                status, body = self._request(
+                    url, "POST", path, None, timeout_s=left + self.config.health_timeout_s
+                )
+            except _Retryable as err:
+                raise RuntimeError(f"POST {url}/flush_cache failed: {err}") from err
+            if status == 200:
+                return
+            if status != 400:
+                raise ServerError(f"POST {url}{path}: HTTP {status}: {str(body)[:500]}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"{url}/flush_cache: the server was not idle within {budget} s "
+                    f"(HTTP 400: {str(body).strip()[:300]})"
+                )
+            time.sleep(min(self.config.backoff_s, max(0.0, deadline - time.monotonic())))
+
+    def _request(
+        self, url: str, method: str, path: str, payload: object | None, *, timeout_s: float | None
+    ) -> tuple[int, object]:
         try:
-            status, body = request_json(url, method, path, payload, timeout_s=timeout)
-        except TimeoutError as err:
-            raise _Retryable(f"timed out after {timeout} s") from err
+            status, body = request_json(
+                url,
+                method,
+                path,
+                payload,
+                timeout_s=timeout_s,
+                connect_timeout_s=self.config.connect_timeout_s,
+            )
+        except ReadTimeout as err:
+            raise _Retryable(f"read timed out after {timeout_s} s", mark_down=False) from err
         except (OSError, http.client.HTTPException) as err:
             raise _Retryable(f"{type(err).__name__}: {err}") from err
         if status >= 500:
             raise _Retryable(f"HTTP {status}: {str(body)[:200]}")
+        return status, body
+
+    def _once(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        payload: object | None,
+        *,
+        timeout_s: float | None = None,
+    ) -> object:
+        timeout = self.config.request_timeout_s if timeout_s is None else timeout_s
+        status, body = self._request(url, method, path, payload, timeout_s=timeout)
         if status >= 400:
             raise ServerError(f"{method} {url}{path}: HTTP {status}: {str(body)[:500]}")
         return body

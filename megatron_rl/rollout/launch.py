@@ -17,9 +17,17 @@ import sys
 import time
 from collections.abc import Sequence
 
-from megatron_rl.rollout.http_pool import request_json
+from megatron_rl.rollout.http_pool import (
+    SGLANG_HEALTH_CHECK_TIMEOUT_S,
+    SGLANG_HEALTH_MIN_S,
+    request_json,
+)
 
 logger = logging.getLogger(__name__)
+
+# one /health probe: longer than SGLang's own health-check timeout (20 s), so a slow first
+# generation is reported as SGLang decides it (200 or 503), not as a client timeout
+DEFAULT_PROBE_TIMEOUT_S = SGLANG_HEALTH_CHECK_TIMEOUT_S + 10.0
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -111,12 +119,23 @@ def wait_healthy(
     timeout_s: float,
     process: subprocess.Popen | None = None,
     poll_s: float = 0.5,
+    probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
 ) -> float:
     """Poll ``url/health`` until it answers 200; returns the seconds waited.
+
+    SGLang's ``/health`` answers 503 at once while the server starts, then runs a one-token
+    generation and sleeps 1 s before its first check (up to ``SGLANG_HEALTH_CHECK_TIMEOUT``,
+    20 s, before a 503): each probe therefore waits ``probe_timeout_s`` (default 30 s) for the
+    answer, and the wait may overrun ``timeout_s`` by at most one probe.
 
     Raises:
         RuntimeError: ``process`` exited first (with its exit code), or ``timeout_s`` passed.
     """
+    if probe_timeout_s <= SGLANG_HEALTH_MIN_S:
+        raise ValueError(
+            f"wait_healthy: probe_timeout_s={probe_timeout_s!r} must exceed the "
+            f"{SGLANG_HEALTH_MIN_S} s SGLang's /health sleeps before answering"
+        )
     start = time.monotonic()
     while True:
         if process is not None and process.poll() is not None:
@@ -125,7 +144,14 @@ def wait_healthy(
                 "answered; see its log"
             )
         try:
-            status, _ = request_json(url, "GET", "/health", None, timeout_s=max(poll_s, 1.0))
+            status, _ = request_json(
+                url,
+                "GET",
+                "/health",
+                None,
+                timeout_s=probe_timeout_s,
+                connect_timeout_s=min(5.0, probe_timeout_s),
+            )
             if status == 200:
                 return time.monotonic() - start
         except (OSError, http.client.HTTPException):

@@ -3,17 +3,30 @@
 For tests, benchmarks and the embedded demo; not a serving system. It implements the subset of
 SGLang 0.5's HTTP API (field names from ``sglang/srt/managers/io_struct.py``) that
 `SGLangEngine` uses: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``,
-``logprob_start_len``, ``return_routed_experts``; answer ``output_ids`` and ``meta_info``),
+``logprob_start_len``, ``return_routed_experts``; answer ``output_ids`` and ``meta_info``, whose
+``routed_experts`` covers every decoder layer with dense layers zero, as SGLang's does),
 ``/health``, ``/get_model_info``, ``/flush_cache``, ``/pause_generation``,
-``/continue_generation``, ``/update_weights_from_disk``, ``/update_weights_from_tensor``,
+``/continue_generation``, ``/abort_request``, ``/update_weights_from_disk``,
+``/update_weights_from_tensor``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/update_weight_version``.
 
 Differences from SGLang, deliberately: ``update_weights_from_tensor`` takes tensors serialised
 with ``torch.save`` and base64 (there are no CUDA IPC handles on CPU); one extra endpoint,
 ``/weights_checksum`` (SGLang has none), serves the checksum mode. ``before_request`` lets tests
-inject faults: return "drop" (close without answering), "503", "stall" (sleep ``stall_s``), or
+inject faults: return "drop" (close without answering), "503", "stall" (sleep ``stall_s``; a
+stalled ``/generate`` counts as running and ends early on ``/abort_request``), or
 "die" (stop the server, dropping the request).
+
+Like SGLang 0.5.23 (``srt/entrypoints/http_server.py``) where the client depends on it:
+``/health`` (and ``/health_generate``) generates one token, then sleeps ``health_delay_s``
+(SGLang: 1 s) before answering 200 (503 if the generation fails); ``/flush_cache`` answers plain
+text, 400 while any ``/generate`` is running, and with the ``timeout`` query parameter (seconds)
+first waits that long for idle; ``/abort_request`` (``rid`` or ``abort_all``) answers 200 with no
+body and ends matching requests with ``finish_reason`` ``abort``; a failed weight update or
+version update is HTTP 400 with ``success: false``; ``/pause_generation`` and
+``/continue_generation`` answer ``{"message": ..., "status": "ok"}``. Query parameters are passed
+to the handlers merged into the payload.
 """
 
 from __future__ import annotations
@@ -21,18 +34,21 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import itertools
 import json
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.inprocess import InProcessEngine
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.weight_group import join_weight_group, receive_bucket
+from megatron_rl.rollout.weight_group import GroupMemberProcess
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +56,21 @@ logger = logging.getLogger(__name__)
 class LoopbackServer:
     """Serve ``engine`` on ``host:port`` (port 0: a free port) from a background thread."""
 
+    weight_group_timeout_s = 120.0  # joining and each broadcast of a weight-update group
+
     def __init__(self, engine: InProcessEngine, host: str = "127.0.0.1", port: int = 0) -> None:
         self.engine = engine
         self.before_request: Callable[[str, object], str | None] | None = None
         self.stall_s = 30.0
+        self.health_delay_s = 1.0  # SGLang's /health sleeps 1 s after starting its generation
+        self.aborts: list[dict] = []  # /abort_request payloads, in order (tests inspect them)
+        self._running: dict[int, str | None] = {}  # /generate in progress: id -> rid
+        self._aborted: set[int] = set()
+        self._state = threading.Condition()
+        self._flushing = False
+        self._keys = itertools.count()
         self.requests: list[str] = []  # paths served, in order (tests inspect it)
-        self.weight_groups: dict[str, object] = {}
+        self.weight_groups: dict[str, GroupMemberProcess] = {}
         self._resume = threading.Event()
         self._resume.set()
         handler = type("Handler", (_Handler,), {"app": self})
@@ -61,6 +86,8 @@ class LoopbackServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+        while self.weight_groups:
+            self.weight_groups.popitem()[1].close()
 
     def __enter__(self) -> LoopbackServer:
         return self.start()
@@ -71,11 +98,13 @@ class LoopbackServer:
     # ------------------------------------------------------------------ endpoints
     def handle(self, path: str, payload: dict) -> tuple[int, object]:
         routes = {
-            "/health": lambda p: (200, None),
+            "/health": self._health,
+            "/health_generate": self._health,
             "/get_model_info": lambda p: (200, self._model_info()),
-            "/flush_cache": lambda p: (200, self._flush()),
-            "/pause_generation": lambda p: (200, self._resume.clear()),
-            "/continue_generation": lambda p: (200, self._resume.set()),
+            "/flush_cache": self._flush,
+            "/abort_request": self._abort,
+            "/pause_generation": lambda p: (200, self._pause(paused=True)),
+            "/continue_generation": lambda p: (200, self._pause(paused=False)),
             "/generate": self._generate,
             "/update_weights_from_disk": self._from_disk,
             "/update_weights_from_tensor": self._from_tensor,
@@ -96,12 +125,89 @@ class LoopbackServer:
             "weight_version": str(self.engine.weight_version),
         }
 
-    def _flush(self) -> None:
+    def _health(self, payload: dict) -> tuple[int, object]:
+        try:  # SGLang: GenerateReqInput(input_ids=[0], max_new_tokens=1, temperature=0)
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+            self.engine.generate_one([0], greedy, sample_seed=None)
+        except Exception as err:  # any failure of the generation: unhealthy, like SGLang's 503
+            logger.warning("loopback /health generation failed: %s", err)
+            return 503, None
+        time.sleep(self.health_delay_s)
+        return 200, None
+
+    def _pause(self, *, paused: bool) -> dict:
+        (self._resume.clear if paused else self._resume.set)()
+        word = "paused" if paused else "continued"
+        return {"message": f"Generation {word} successfully.", "status": "ok"}
+
+    def _flush(self, payload: dict) -> tuple[int, object]:
+        timeout = float(payload.get("timeout", 0.0))
+        if timeout < 0:
+            return 422, {"detail": "timeout: Input should be greater than or equal to 0"}
+        with self._state:
+            if self._flushing:
+                return 400, "Another flush_cache is already in progress."
+            self._flushing = True
+            try:
+                idle = self._state.wait_for(lambda: not self._running, timeout=timeout)
+            finally:
+                self._flushing = False
+        if not idle:
+            return (
+                400,
+                "Timed out waiting for idle state." if timeout > 0 else "Flush cache failed.\n",
+            )
         self.engine.flush_cache()
+        return 200, (
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running "
+            "or waiting requests, the operation will not be performed.)\n"
+        )
+
+    def _abort(self, payload: dict) -> tuple[int, object]:
+        self.aborts.append(dict(payload))
+        rid, everything = payload.get("rid") or "", bool(payload.get("abort_all", False))
+        with self._state:
+            hit = {k for k, r in self._running.items() if everything or (rid and r == rid)}
+            self._aborted |= hit
+            self._state.notify_all()
+        return 200, None
+
+    def _track(self, payload: object) -> int:
+        """Count a /generate as running (until `_untrack`); its key for `_stalled`."""
+        rid = payload.get("rid") if isinstance(payload, dict) else None
+        with self._state:
+            key = id(object()) ^ threading.get_ident()
+            while key in self._running:
+                key += 1
+            self._running[key] = rid
+        return key
+
+    def _untrack(self, key: int) -> None:
+        with self._state:
+            self._running.pop(key, None)
+            self._aborted.discard(key)
+            self._state.notify_all()
+
+    def _stalled(self, key: int | None) -> bool:
+        """Sleep ``stall_s`` or until the request is aborted; True if it was aborted."""
+        if key is None:
+            time.sleep(self.stall_s)
+            return False
+        with self._state:
+            return self._state.wait_for(lambda: key in self._aborted, timeout=self.stall_s)
 
     def _generate(self, payload: dict) -> tuple[int, object]:
+        # paused: the request waits before it is scheduled (SGLang holds it in the tokenizer
+        # manager), so it does not count as running for /flush_cache
         if not self._resume.wait(timeout=60):
             return 503, {"error": "generation paused for more than 60 s"}
+        key = self._track(payload)
+        try:
+            return self._generate_now(payload)
+        finally:
+            self._untrack(key)
+
+    def _generate_now(self, payload: dict) -> tuple[int, object]:
         sampling = dict(payload.get("sampling_params") or {})
         if int(sampling.pop("n", 1)) != 1:
             return 400, {"error": "the loopback server supports n=1 per request"}
@@ -135,9 +241,16 @@ class LoopbackServer:
                     [lp, t, None] for lp, t in zip(scores, ids[1:], strict=True)
                 ]
         if routes:
-            int32 = self.engine.codec.decode(sample.routes, dtype=torch.int32)
-            meta["routed_experts"] = base64.b64encode(int32.numpy().tobytes()).decode()
+            meta["routed_experts"] = self._all_layer_routes(sample.routes)
         return 200, {"output_ids": out, "meta_info": meta}
+
+    def _all_layer_routes(self, blob) -> str:
+        """Like SGLang: int32 ``[T, num_hidden_layers, K]``, dense layers zero, base64."""
+        moe_TLK = self.engine.codec.decode(blob, dtype=torch.int32)
+        pattern = moe_layer_pattern(self.engine.model.config)
+        all_TLK = torch.zeros(moe_TLK.shape[0], len(pattern), moe_TLK.shape[2], dtype=torch.int32)
+        all_TLK[:, [i for i, sparse in enumerate(pattern) if sparse]] = moe_TLK
+        return base64.b64encode(all_TLK.numpy().tobytes()).decode()
 
     def _commit(self, payload: dict) -> None:
         version = payload.get("weight_version")
@@ -145,8 +258,16 @@ class LoopbackServer:
             self.engine.set_version(int(version))
 
     def _update_version(self, payload: dict) -> tuple[int, object]:
-        self.engine.set_version(int(payload["new_version"]))
-        return 200, {"success": True, "message": f"version {payload['new_version']}"}
+        if payload.get("abort_all_requests"):
+            self._abort({"abort_all": True})
+        try:
+            self.engine.set_version(int(payload["new_version"]))
+        except (KeyError, TypeError, ValueError) as err:  # SGLang: HTTP 400, success false
+            message = f"Failed to update weight version: {err}"
+            return 400, {"success": False, "message": message}
+        version = payload["new_version"]
+        message = f"Weight version updated to {version}"
+        return 200, {"success": True, "message": message, "new_version": version}
 
     def _from_disk(self, payload: dict) -> tuple[int, object]:
         from megatron_rl.model.conversion.safetensors_io import CheckpointReader
@@ -156,8 +277,8 @@ class LoopbackServer:
                 count = self.engine.load_weights_in_place(
                     (n, reader.get(n)) for n in reader.names()
                 )
-        except (OSError, ValueError) as err:
-            return 200, {"success": False, "message": f"{type(err).__name__}: {err}"}
+        except (OSError, ValueError) as err:  # SGLang: HTTP 400 with success false
+            return 400, {"success": False, "message": f"{type(err).__name__}: {err}"}
         self._commit(payload)
         return 200, {"success": True, "message": f"loaded {count} tensors"}
 
@@ -167,26 +288,41 @@ class LoopbackServer:
         try:
             count = self.engine.load_weights_in_place(named)
         except ValueError as err:
-            return 200, {"success": False, "message": str(err)}
+            return 400, {"success": False, "message": str(err)}
         self._commit(payload)
         return 200, {"success": True, "message": f"loaded {count} tensors"}
 
     def _init_group(self, payload: dict) -> tuple[int, object]:
-        group = join_weight_group(
-            backend=payload.get("backend", "gloo"),
-            master_address=payload["master_address"],
-            master_port=int(payload["master_port"]),
-            rank=int(payload["rank_offset"]),
-            world_size=int(payload["world_size"]),
-        )
-        self.weight_groups[payload["group_name"]] = group
-        return 200, {"success": True, "message": "joined"}
+        # Like an SGLang TP worker: its own process joins the group through the project's
+        # mirror of SGLang's ``init_custom_process_group`` (`init_weight_group`).
+        name = payload.get("group_name", "weight_update_group")
+        if name in self.weight_groups:
+            message = f"Failed to initialize custom process group: {name!r} already exists."
+            return 400, {"success": False, "message": message}
+        try:
+            member = GroupMemberProcess(
+                backend=payload.get("backend", "nccl"),
+                master_address=payload["master_address"],
+                master_port=int(payload["master_port"]),
+                rank=int(payload["rank_offset"]),
+                world_size=int(payload["world_size"]),
+                group_name=name,
+                timeout_s=self.weight_group_timeout_s,
+            )
+        except (RuntimeError, TimeoutError, ValueError) as err:
+            message = f"Failed to initialize custom process group: {err}."
+            return 400, {"success": False, "message": message}
+        self.weight_groups[name] = member
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def _from_distributed(self, payload: dict) -> tuple[int, object]:
         group = self.weight_groups.get(payload["group_name"])
         if group is None:
             return 200, {"success": False, "message": f"no group {payload['group_name']!r}"}
-        tensors = receive_bucket(group, payload["names"], payload["dtypes"], payload["shapes"])
+        try:
+            tensors = group.receive(payload["names"], payload["dtypes"], payload["shapes"])
+        except (RuntimeError, TimeoutError) as err:
+            return 400, {"success": False, "message": f"{type(err).__name__}: {err}"}
         try:
             count = self.engine.load_weights_in_place(tensors)
         except ValueError as err:
@@ -195,8 +331,11 @@ class LoopbackServer:
         return 200, {"success": True, "message": f"loaded {count} tensors"}
 
     def _destroy_group(self, payload: dict) -> tuple[int, object]:
-        self.weight_groups.pop(payload.get("group_name", ""), None)
-        return 200, {"success": True, "message": "destroyed"}
+        member = self.weight_groups.pop(payload.get("group_name", "weight_update_group"), None)
+        if member is None:  # SGLang's answer, HTTP 400
+            return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+        member.close()
+        return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -214,7 +353,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(json.loads(self.rfile.read(length) or b"null"))
 
     def _serve(self, payload: object) -> None:
-        path = self.path.split("?")[0]
+        path, _, query = self.path.partition("?")
+        if query:
+            params = dict(urllib.parse.parse_qsl(query))
+            payload = {**params, **payload} if isinstance(payload, dict) else params
         app = self.app
         app.requests.append(path)
         fault = app.before_request(path, payload) if app.before_request else None
@@ -227,7 +369,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(2)
             threading.Thread(target=app.stop, daemon=True).start()
             return
-        if fault == "stall":
+        if fault == "stall" and path == "/generate":  # running: /abort_request ends it
+            key = app._track(payload)
+            try:
+                if app._stalled(key):
+                    self._send(200, _aborted_answer(payload))
+                    return
+            finally:
+                app._untrack(key)
+        elif fault == "stall":
             time.sleep(app.stall_s)
         if fault == "503":
             status, body = 503, {"error": "injected 503"}
@@ -236,12 +386,26 @@ class _Handler(BaseHTTPRequestHandler):
                 status, body = app.handle(path, payload or {})
             except (KeyError, TypeError, ValueError) as err:
                 status, body = 400, {"error": f"{type(err).__name__}: {err}"}
-        data = b"" if body is None else json.dumps(body).encode()
+        self._send(status, body)
+
+    def _send(self, status: int, body: object) -> None:
+        if isinstance(body, str):  # SGLang's plain-text answers (/flush_cache)
+            data, kind = body.encode(), "text/plain; charset=utf-8"
+        else:
+            data = b"" if body is None else json.dumps(body).encode()
+            kind = "application/json"
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+def _aborted_answer(payload: object) -> dict:
+    rid = payload.get("rid") if isinstance(payload, dict) else None
+    finish = {"type": "abort", "message": "Abort in waiting queue"}
+    meta = {"id": rid, "finish_reason": finish, "prompt_tokens": 0, "completion_tokens": 0}
+    return {"output_ids": [], "meta_info": meta}
 
 
 def main() -> None:

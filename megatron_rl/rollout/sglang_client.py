@@ -1,24 +1,47 @@
-"""`RolloutEngine` over SGLang servers (or an ``sglang-router`` URL) via HTTP.
+"""`RolloutEngine` over SGLang servers via HTTP, optionally generating through ``sglang-router``.
+
+Where requests go. ``http.urls`` are the SGLang *worker* servers (``sglang.launch_server``);
+``router_url``, when given, is an ``sglang-router`` in front of them. Generation (``/generate``,
+`score`) goes to the router when there is one, else straight to the workers with the client's
+own failover. Every control call goes to each worker URL, never to the router: pause / continue,
+``/flush_cache``, ``/abort_request``, the weight updates and ``/update_weight_version``, and the
+weight-version reads of `health`. sglang-router 0.3.2 serves only ``/generate``, ``/health``,
+``/health_generate``, ``/flush_cache``, ``/get_model_info`` (and the OpenAI routes), none of the
+pause, weight-update or weight-version routes, and it is no member of the weight-update process
+group; so a router URL must not be given as a worker URL (`WeightSync` gets the worker pool).
 
 Every sample is one ``/generate`` request (``n = 1``) with its own slot in the result list, run
 by a pool of ``max_in_flight`` threads. A retried request (timeout, dropped connection, 5xx; see
 `HttpPool`) carries a fresh ``rid`` and fills the same slot, so no sample is lost or duplicated:
 the batch returns exactly ``len(prompts) * n`` samples or raises. Answers are checked and
-decoded one by one (`sglang_payload.decode_generate`).
+decoded one by one (`sglang_payload.decode_generate`). When a batch fails, its requests not yet
+sent are dropped and every worker gets ``/abort_request`` with ``abort_all`` (SGLang's
+``AbortReq``), so the samples already sent stop occupying the servers. A request that reaches
+the read timeout (``http.request_timeout_s``; none by default) is aborted by ``rid`` on every
+worker and retried elsewhere; a read timeout does not mark the server down.
+
+Routed experts (``return_routed_experts=True``; servers started with
+``--enable-return-routed-experts --skip-tokenizer-init``, SGLang >= 0.5.10): SGLang returns
+every decoder layer's top-k per position (``num_hidden_layers`` rows, dense layers zero); the
+client keeps the MoE layers of ``SGLangEngineConfig.layer_pattern``. Prompt tokens served from
+the radix cache come back with the routes recorded when their KV was computed; rows SGLang never
+captured (all zeros, e.g. slots reloaded by ``--enable-hierarchical-cache``) fail the sample
+with a RuntimeError instead of replaying wrong routes. See `sglang_payload` for the details.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
-from megatron_rl.moe_layers import moe_layer_numbers
-from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig
+from megatron_rl.moe_layers import moe_layer_pattern
+from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, check_url
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.sglang_payload import decode_generate, generate_request, parse_version
 from megatron_rl.rollout.types import EngineHealth, RolloutSample, SamplingParams
@@ -28,14 +51,25 @@ from megatron_rl.routing import CODECS, RoutingCodec
 logger = logging.getLogger(__name__)
 
 
+class BatchCancelledError(RuntimeError):
+    """Another sample of the batch failed; this one is not sent (again)."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class SGLangEngineConfig:
-    """Where the servers are and what the model looks like (for routed-expert decoding)."""
+    """Where the servers are and what the model looks like (for routed-expert decoding).
+
+    ``http.urls``: the SGLang worker servers (control calls, weight sync); ``router_url``: an
+    optional ``sglang-router`` that generation goes through (see the module docstring).
+    ``layer_pattern``: per HF decoder layer, 1 for a MoE layer and 0 for a dense one
+    (`moe_layer_pattern` of the HF config); SGLang returns routes for all of them.
+    """
 
     http: HttpPoolConfig
     num_experts: int
     topk: int
-    num_moe_layers: int
+    layer_pattern: tuple[int, ...]
+    router_url: str | None = None
     routing_codec: str = "auto"
     max_in_flight: int = 64
     sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
@@ -49,15 +83,30 @@ class SGLangEngineConfig:
             raise ValueError(
                 f"SGLangEngineConfig.max_in_flight={self.max_in_flight!r}: must be an int >= 1"
             )
-        if self.num_moe_layers < 1:
-            raise ValueError(f"SGLangEngineConfig.num_moe_layers={self.num_moe_layers!r}: >= 1")
+        self.layer_pattern = tuple(int(x) for x in self.layer_pattern)
+        if set(self.layer_pattern) - {0, 1} or 1 not in self.layer_pattern:
+            raise ValueError(
+                f"SGLangEngineConfig.layer_pattern={self.layer_pattern!r}: one 0 (dense) or 1 "
+                "(MoE) per decoder layer, with at least one MoE layer"
+            )
+        if self.router_url is not None:
+            check_url(self.router_url, "SGLangEngineConfig.router_url")
+            if self.router_url in self.http.urls:
+                raise ValueError(
+                    f"SGLangEngineConfig: {self.router_url} is both router_url and a worker URL; "
+                    "give the router only as router_url (it serves no control routes)"
+                )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.layer_pattern)
 
     @classmethod
     def from_hf_config(cls, hf_config, **kwargs) -> SGLangEngineConfig:
         return cls(
             num_experts=int(hf_config.num_experts),
             topk=int(hf_config.num_experts_per_tok),
-            num_moe_layers=len(moe_layer_numbers(hf_config)),
+            layer_pattern=tuple(moe_layer_pattern(hf_config)),
             **kwargs,
         )
 
@@ -67,9 +116,14 @@ class SGLangEngine:
 
     def __init__(self, config: SGLangEngineConfig, hf_config=None) -> None:
         self.config = config
-        self.pool = HttpPool(config.http)
+        self.workers = HttpPool(config.http)  # control calls and weight sync: every worker
+        self.pool = (  # generation: the router when there is one, else the workers
+            self.workers
+            if config.router_url is None
+            else HttpPool(dataclasses.replace(config.http, urls=(config.router_url,)))
+        )
         self.codec = RoutingCodec(config.num_experts, config.topk, config.routing_codec)
-        self.weight_sync = WeightSync(self.pool, config.sync, hf_config)
+        self.weight_sync = WeightSync(self.workers, config.sync, hf_config)
         self._threads = ThreadPoolExecutor(max_workers=config.max_in_flight)
         self._version = 0
         self.last_sync: SyncReport | None = None
@@ -99,29 +153,42 @@ class SGLangEngine:
     ) -> list[RolloutSample]:
         check_generate_args(prompts, n, None)
         batch = uuid.uuid4().hex[:12]
+        cancelled = threading.Event()
         futures = [
             self._threads.submit(
-                self._one, [int(t) for t in prompt], params, i, j, batch, return_routed_experts
+                self._one,
+                [int(t) for t in prompt],
+                params,
+                i,
+                j,
+                batch,
+                return_routed_experts,
+                cancelled,
             )
             for i, prompt in enumerate(prompts)
             for j in range(n)
         ]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for future in pending:
-            future.cancel()
-        for future in futures:
-            if future in done and future.exception() is not None:
-                raise future.exception()
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed:
+            cancelled.set()  # no further attempt of this batch is sent
+            for future in pending:
+                future.cancel()
+            if pending:
+                self.abort_all()
+            raise failed[0].exception()
         samples = [f.result() for f in futures]
         assert [(s.prompt_index, s.sample_index) for s in samples] == [
             (i, j) for i in range(len(prompts)) for j in range(n)
         ]
         return samples
 
-    def _one(self, prompt, params, i, j, batch, routes) -> RolloutSample:
+    def _one(self, prompt, params, i, j, batch, routes, cancelled) -> RolloutSample:
         attempt = iter(range(1 << 30))
 
         def payload() -> dict:  # a fresh rid per attempt: servers reject duplicate ids
+            if cancelled.is_set():
+                raise BatchCancelledError(f"sample (prompt {i}, sample {j}): batch failed")
             return generate_request(
                 prompt,
                 params,
@@ -131,14 +198,19 @@ class SGLangEngine:
                 rid=f"{batch}-{i}-{j}-{next(attempt)}",
             )
 
-        body = self.pool.post("/generate", payload, what=f"sample (prompt {i}, sample {j})")
+        body = self.pool.post(
+            "/generate",
+            payload,
+            what=f"sample (prompt {i}, sample {j})",
+            on_timeout=self._abort_timed_out,
+        )
         return decode_generate(
             body,
             prompt=prompt,
             prompt_index=i,
             sample_index=j,
             codec=self.codec if routes else None,
-            num_moe_layers=self.config.num_moe_layers,
+            layer_pattern=self.config.layer_pattern,
         )
 
     def update_weights(
@@ -149,26 +221,56 @@ class SGLangEngine:
         self._version = version
 
     def flush_cache(self) -> None:
+        """``/flush_cache`` on every worker, each waiting for idle (`HttpPool.flush_cache`)."""
         for url in self.config.http.urls:
-            self.pool.call_on(url, "POST", "/flush_cache", {})
+            self.workers.flush_cache(url)
+
+    def abort_all(self) -> None:
+        """``/abort_request`` with ``abort_all`` on every worker (the router has no such route);
+        best effort: failures are logged."""
+        self._abort({"abort_all": True})
+
+    def _abort_timed_out(self, url: str, payload: object) -> None:
+        rid = payload.get("rid") if isinstance(payload, dict) else None
+        if rid:  # with a router we do not know which worker has it: ask all
+            self._abort({"rid": rid})
+
+    def _abort(self, payload: dict) -> None:
+        for url in self.config.http.urls:
+            try:
+                self.workers.call_on(
+                    url,
+                    "POST",
+                    "/abort_request",
+                    payload,
+                    timeout_s=self.config.http.health_timeout_s,
+                )
+            except RuntimeError as err:
+                logger.warning("abort_request %s on %s failed: %s", payload, url, err)
 
     def health(self) -> EngineHealth:
-        """Healthy when at least one server answers /health and all healthy ones agree on the
-        weight version."""
-        up = [u for u in self.config.http.urls if self.pool.probe(u)]
+        """Healthy when at least one worker answers /health, all healthy ones agree on the
+        weight version, and the router (if any) answers /health."""
+        up = self.workers.probe_all()
+        router_up = self.config.router_url is None or bool(self.pool.probe_all())
+        router = "" if self.config.router_url is None else f"; router up: {router_up}"
         if not up:
-            return EngineHealth(healthy=False, weight_version=self._version, detail="no server up")
+            return EngineHealth(
+                healthy=False, weight_version=self._version, detail=f"no server up{router}"
+            )
         versions = {
             u: parse_version(
-                (self.pool.call_on(u, "GET", "/get_model_info", None) or {}).get("weight_version"),
+                (self.workers.call_on(u, "GET", "/get_model_info", None) or {}).get(
+                    "weight_version"
+                ),
                 u,
             )
             for u in up
         }
         agree = len(set(versions.values())) == 1
-        detail = f"{len(up)}/{len(self.config.http.urls)} servers up; versions {versions}"
+        detail = f"{len(up)}/{len(self.config.http.urls)} servers up; versions {versions}{router}"
         return EngineHealth(
-            healthy=agree, weight_version=next(iter(versions.values())), detail=detail
+            healthy=agree and router_up, weight_version=next(iter(versions.values())), detail=detail
         )
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:

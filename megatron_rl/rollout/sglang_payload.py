@@ -1,18 +1,40 @@
 """SGLang ``/generate`` payloads: build a request, decode and check an answer (pure functions).
 
-Field names follow SGLang 0.5's ``GenerateReqInput`` / ``SamplingParams`` (``io_struct.py``,
-``sampling_params.py``); `GENERATE_FIELDS` and `SAMPLING_FIELDS` list those this client sends,
-so a test can compare them with SGLang's dataclasses where sglang is importable.
+Field names follow SGLang's ``GenerateReqInput`` (``srt/managers/io_struct.py``) and
+``SamplingParams`` (``srt/sampling/sampling_params.py``); `GENERATE_FIELDS` and
+`SAMPLING_FIELDS` list those this client sends, and ``tests/rollout/
+test_sglang_contract_payload.py`` checks them against the pinned SGLang's source.
 
-``routed_experts`` arrives as base64 of raw little-endian int32 ``[P + R - 1, L, K]``; it is
-viewed in place over that sample's decoded bytes and encoded straight into the
-`RoutingCodec`'s dtype, one sample at a time, so no int32 copy of the batch ever exists.
+Routed experts (R3), as SGLang 0.5.23 returns them (``srt/state_capturer/base.py``,
+``routed_experts.py``): ``meta_info["routed_experts"]`` is base64 of the raw native-endian
+(little-endian on every supported GPU host) int32 tensor ``[P + R - 1, num_hidden_layers, K]``:
+one row per position that went through a forward pass, **every** decoder layer (the capture
+buffer is sized by the HF config's ``num_hidden_layers``; dense layers, whose gate never writes,
+stay zero), ``K = num_experts_per_tok``. `decode_generate` views that sample's bytes in place,
+checks the dense layers are all zero (else the server's model has another layer layout), keeps
+the MoE layers (``moe_layer_pattern(hf_config)``), rejects positions whose MoE rows are all
+zero (never captured) and encodes them straight into the `RoutingCodec`'s dtype, one sample at
+a time, so no int32 copy of the batch ever exists.
+
+Prefix (radix) cache: SGLang keeps routes per KV-cache slot and reads a request's routes through
+its slot table (``base.py`` ``get_topk``: ``host_cache.buffer[req_to_token[...]]``), so prompt
+tokens served from the radix cache return the routes recorded when their KV was computed (the n
+samples of a prompt share them; weight syncs flush the cache, so they are the current weights'
+routes). SGLang does not restore them for slots reloaded by ``--enable-hierarchical-cache``;
+such rows come back stale or zero, and zero rows are rejected here, so do not combine HiCache
+with R3. There is no per-request option to bypass the cache (``--disable-radix-cache`` is
+server-wide).
+
+SGLang floor: ``return_routed_experts`` exists from 0.5.7, but until 0.5.9 a server started
+with ``--skip-tokenizer-init`` (which this client needs for ``output_ids``) put the raw tensor
+in the answer instead of base64; 0.5.10 is the first that encodes it on that path.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -29,7 +51,10 @@ GENERATE_FIELDS = (
     "rid",
 )
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n")
-SEED_FIELD = "sampling_seed"  # SGLang >= 0.5; needs deterministic sampling on the server
+# Honoured only by a server started with ``--enable-deterministic-inference``: without it SGLang
+# builds no seed tensor and samples unseeded (``srt/sampling/sampling_batch_info.py``, the
+# ``enable_deterministic`` branch); with it, a request without a seed gets 42.
+SEED_FIELD = "sampling_seed"
 
 
 def generate_request(
@@ -74,9 +99,13 @@ def decode_generate(
     prompt_index: int,
     sample_index: int,
     codec: RoutingCodec | None,
-    num_moe_layers: int,
+    layer_pattern: Sequence[int],
 ) -> RolloutSample:
-    """A checked `RolloutSample` from one ``/generate`` answer; RuntimeError names the sample."""
+    """A checked `RolloutSample` from one ``/generate`` answer; RuntimeError names the sample.
+
+    ``layer_pattern``: per HF decoder layer, 1 for a MoE layer and 0 for a dense one
+    (`megatron_rl.moe_layers.moe_layer_pattern`); the routes keep the MoE layers only.
+    """
     name = f"sample (prompt {prompt_index}, sample {sample_index})"
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
         raise RuntimeError(f"{name}: answer has no meta_info: {str(body)[:200]}")
@@ -106,7 +135,7 @@ def decode_generate(
             meta.get("routed_experts"),
             name,
             len(prompt) + len(output_ids) - 1,
-            num_moe_layers,
+            layer_pattern,
             codec,
         )
     sample = RolloutSample(
@@ -119,25 +148,58 @@ def decode_generate(
         weight_version=parse_version(meta.get("weight_version"), name),
         routes=routes,
     )
-    sample.check(num_moe_layers=num_moe_layers)
+    sample.check(num_moe_layers=sum(1 for sparse in layer_pattern if sparse))
     return sample
 
 
-def _decode_routes(encoded: object, name: str, positions: int, layers: int, codec: RoutingCodec):
-    if not isinstance(encoded, str):
+def _decode_routes(
+    encoded: object, name: str, positions: int, layer_pattern: Sequence[int], codec: RoutingCodec
+):
+    """All-layer int32 ``[positions, num_hidden_layers, K]`` bytes -> MoE-layer `RoutingBlob`."""
+    if encoded is None:
         raise RuntimeError(
             f"{name}: routed_experts missing (start SGLang with --enable-return-routed-experts)"
         )
+    if not isinstance(encoded, str):
+        raise RuntimeError(
+            f"{name}: routed_experts is a {type(encoded).__name__}, not a base64 string (SGLang "
+            "0.5.7-0.5.9 with --skip-tokenizer-init do not encode it; use SGLang >= 0.5.10)"
+        )
+    num_layers = len(layer_pattern)
     raw = base64.b64decode(encoded)
-    row_bytes = layers * codec.topk * 4
+    row_bytes = num_layers * codec.topk * 4
     if len(raw) != positions * row_bytes:
         raise RuntimeError(
             f"{name}: routed_experts holds {len(raw)} bytes = {len(raw) / row_bytes:g} rows of "
-            f"[{layers} layers, top-{codec.topk}] int32; expected {positions} rows "
-            "(prompt + response - 1)"
+            f"[{num_layers} layers (num_hidden_layers), top-{codec.topk}] int32; expected "
+            f"{positions} rows (prompt + response - 1)"
         )
-    # One sample's bytes, viewed (not converted) as int32; the codec narrows it right away.
-    view_TLK = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(positions, layers, -1)
+    # One sample's bytes, viewed (not converted) as int32 [positions, all layers, K].
+    all_TLK = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(positions, num_layers, -1)
+    moe = [i for i, sparse in enumerate(layer_pattern) if sparse]
+    dense = [i for i, sparse in enumerate(layer_pattern) if not sparse]
+    if dense:
+        dense_TLK = all_TLK[:, dense]
+        if bool(dense_TLK.any()):
+            t, j = (int(x) for x in dense_TLK.any(dim=-1).nonzero()[0])
+            raise RuntimeError(
+                f"{name}: routed_experts has experts {dense_TLK[t, j].tolist()} at position {t} "
+                f"of layer {dense[j]}, a dense layer by the HF config (mlp_only_layers / "
+                "decoder_sparse_step): the server runs another model layout"
+            )
+        view_TLK = all_TLK[:, moe]  # this sample's MoE layers: one small int32 copy
+    else:
+        view_TLK = all_TLK
+    if codec.topk > 1:  # an all-zero top-k set is impossible: SGLang never captured that row
+        empty_T = (view_TLK == 0).all(dim=-1).any(dim=-1)
+        if bool(empty_T.any()):
+            where = empty_T.nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"{name}: routed_experts rows at {len(where)} position(s) (first {where[:8]}) "
+                "are all zeros in a MoE layer: SGLang returned no routes there (uncaptured "
+                "positions, e.g. prefix-cache slots reloaded by --enable-hierarchical-cache); "
+                "routing replay needs every position"
+            )
     try:
         return codec.encode(view_TLK)
     except ValueError as err:

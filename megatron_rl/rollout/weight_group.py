@@ -1,45 +1,141 @@
-"""The weight-update process group between a trainer rank and rollout servers.
+"""The weight-update process group between the trainer (rank 0) and rollout servers.
 
-What SGLang's ``init_weights_update_group`` builds on the server side: a process group of its
-own (not the default group, so the trainer's Megatron groups stay untouched), rendezvous through
-a ``TCPStore`` hosted by the trainer (rank 0) at ``master_address:master_port``. gloo on CPU,
-NCCL on GPU. Rank 0 broadcasts every tensor of a bucket in order; servers receive into fresh
-tensors of the announced names, dtypes and shapes.
+SGLang's ``/init_weights_update_group`` makes every TP worker of a server call
+``init_custom_process_group`` (``sglang/srt/utils/common.py``) with
+``init_method="tcp://{master_address}:{master_port}"``, ``rank = rank_offset + tp_rank``,
+``world_size`` and ``group_name``: torch's ``rendezvous`` gives a ``TCPStore`` (hosted by rank
+0, multi-tenant), the store is wrapped in ``PrefixStore(group_name, store)`` and the group is
+made by torch's ``_new_process_group_helper(world_size, rank, [], backend, store,
+group_name=...)``, which adds its own ``"{group_name}/"`` and ``"{device}/"`` prefixes. The
+trainer's side must land on exactly the same store keys, so `init_weight_group` takes the same
+path; a group built any other way (another prefix, ``ProcessGroupGloo`` on a bare store) waits
+on keys nobody writes until it times out. ``tests/rollout/test_sglang_contract_weight_group.py``
+runs SGLang's own function against this one.
+
+One deliberate difference on rank 0: it hosts the ``TCPStore`` itself instead of going through
+``rendezvous``, because under ``torchrun`` (``TORCHELASTIC_USE_AGENT_STORE=True``) the
+``tcp://`` rendezvous turns every rank into a client of the elastic agent's store and nobody
+would listen on ``master_port``. The store it builds is the one the rendezvous gives rank 0
+otherwise (``is_master=True``, multi-tenant), so the keys are identical.
+
+Group names are global per process in torch (a second group of the same name is refused), and
+SGLang keeps a group until ``/destroy_weights_update_group``: `unique_group_name` gives every
+group creation its own name, so a trainer restarted after a crash never collides with the group
+its previous run left on the servers, and `destroy_weight_group` releases a group.
+
+`GroupMemberProcess` is one non-zero rank of a group in a child process, built with
+`init_weight_group` like an SGLang TP worker (the loopback server uses it; its HTTP process may
+share a process with the trainer in tests, where torch would refuse the duplicate name).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import inspect
+import io
+import itertools
+import logging
+import multiprocessing
+import threading
+import uuid
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
 
+# torch 2.6 renamed ``pg_options`` to ``backend_options`` (SGLang picks by version the same way).
+_OPTIONS_KW = (
+    "backend_options"
+    if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
+    else "pg_options"
+)
+_attempts = itertools.count(1)
 
-def join_weight_group(
+
+def unique_group_name(prefix: str, run_id: str | None = None) -> str:
+    """``"{prefix}-{run_id}-{attempt}"``: a fresh name for every group creation.
+
+    ``run_id`` defaults to a random hex id; ``attempt`` counts creations in this process.
+    """
+    if not prefix:
+        raise ValueError("group name prefix must not be empty (SGLang rejects an empty name)")
+    return f"{prefix}-{run_id or uuid.uuid4().hex[:12]}-{next(_attempts)}"
+
+
+def tcp_init_method(address: str, port: int) -> str:
+    """``tcp://host:port`` as SGLang builds it (IPv6 literals in brackets)."""
+    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
+    return f"tcp://{host}:{int(port)}"
+
+
+def init_weight_group(
     *,
     backend: str,
     master_address: str,
     master_port: int,
     rank: int,
     world_size: int,
+    group_name: str,
     timeout_s: float = 120.0,
 ) -> dist.ProcessGroup:
-    """Create this side's process group (blocks until all ``world_size`` ranks joined)."""
+    """This side's member of the group (blocks until all ``world_size`` ranks joined).
+
+    Same store, prefixes and group construction as SGLang's ``init_custom_process_group``; rank
+    0 (the trainer) hosts the ``TCPStore``. Does not need (nor touch) the default group.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
+    if not group_name:
+        raise ValueError("group_name must not be empty")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout
+    if rank == 0:
+        store = dist.TCPStore(
+            master_address.strip("[]"),
+            int(master_port),
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            multi_tenant=True,
+        )
+    else:
+        init_method = tcp_init_method(master_address, master_port)
+        store, _, _ = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
+        device_id=None,
+        **{_OPTIONS_KW: None},
     )
-    store = dist.PrefixStore("megatron_rl_weights", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    return dist.ProcessGroupNCCL(store, rank, world_size)  # pragma: no cover - needs CUDA
+    # Group ranks are global ranks here (what ``dist.broadcast(..., src=0, group=...)`` maps).
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_weight_group(group: dist.ProcessGroup | None) -> bool:
+    """Release ``group`` and its name in this process; False if it was already gone."""
+    if group is None:
+        return False
+    try:
+        dist.destroy_process_group(group)
+    except (KeyError, ValueError, RuntimeError) as err:
+        logger.debug("destroying weight group: %r", err)
+        return False
+    return True
 
 
 def broadcast_tensor(group: dist.ProcessGroup, tensor: torch.Tensor) -> None:
@@ -72,3 +168,102 @@ def receive_bucket(
         broadcast_tensor(group, tensor)
         out.append((name, tensor))
     return out
+
+
+# ---------------------------------------------------------------------- a member in a process
+def _member_main(conn, kwargs: dict) -> None:
+    """Child process: join the group, then serve ``receive`` / ``destroy`` requests."""
+    try:
+        group = init_weight_group(**kwargs)
+    except Exception as err:
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+        return
+    conn.send(("ok", None))
+    try:
+        while True:
+            try:
+                request = conn.recv()
+            except EOFError:
+                return
+            if request[0] != "receive":
+                return
+            try:
+                buffer = io.BytesIO()
+                torch.save(receive_bucket(group, *request[1:]), buffer)
+                conn.send(("ok", None))
+                conn.send_bytes(buffer.getvalue())
+            except Exception as err:
+                conn.send(("error", f"{type(err).__name__}: {err}"))
+    finally:
+        destroy_weight_group(group)
+
+
+class GroupMemberProcess:
+    """Rank ``rank`` (> 0) of a weight group, joined by a child process with `init_weight_group`.
+
+    The constructor returns once the group is joined (RuntimeError if joining failed);
+    `receive` takes one bucket as `receive_bucket` does; `close` destroys the group there.
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if backend != "gloo":
+            raise ValueError(f"backend={backend!r}: a member process receives on CPU (gloo)")
+        kwargs = {
+            "backend": backend,
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank": rank,
+            "world_size": world_size,
+            "group_name": group_name,
+            "timeout_s": timeout_s,
+        }
+        self.group_name = group_name
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_member_main, args=(child, kwargs), daemon=True)
+        self._process.start()
+        child.close()
+        status, message = self._answer(timeout_s + 60.0)
+        if status != "ok":
+            self.close()
+            raise RuntimeError(f"joining weight group {group_name!r} failed: {message}")
+
+    def _answer(self, timeout_s: float):
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"weight group member gave no answer in {timeout_s:.0f} s")
+        try:
+            return self._conn.recv()
+        except EOFError as err:
+            raise RuntimeError("weight group member process died") from err
+
+    def receive(
+        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        with self._lock:
+            self._conn.send(("receive", list(names), list(dtypes), [list(s) for s in shapes]))
+            status, message = self._answer(self._timeout_s + 30.0)
+            if status != "ok":
+                raise RuntimeError(message)
+            return torch.load(io.BytesIO(self._conn.recv_bytes()), weights_only=True)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Destroy the group in the child and end it (killed if it does not end in time)."""
+        with contextlib.suppress(OSError):
+            self._conn.send(("destroy",))
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()

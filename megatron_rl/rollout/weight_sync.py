@@ -24,6 +24,7 @@ failed (the version check on samples catches it).
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -32,13 +33,21 @@ import os
 import shutil
 import socket
 import time
+import uuid
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
 from megatron_rl.rollout.hf_weights import checksums
-from megatron_rl.rollout.weight_group import broadcast_tensor, dtype_name, join_weight_group
+from megatron_rl.rollout.http_pool import ServerError
+from megatron_rl.rollout.weight_group import (
+    broadcast_tensor,
+    destroy_weight_group,
+    dtype_name,
+    init_weight_group,
+    unique_group_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +67,11 @@ class WeightSyncConfig:
     one serialised copy each for ``tensor``. ``tensor_serializer``: "sglang" (SGLang's
     ``MultiprocessingSerializer``, CUDA IPC, colocated GPUs) or "torch_b64" (``torch.save`` +
     base64, what the CPU loopback server takes). ``master_port = 0`` picks a free port.
+    ``checksum``: per-tensor checksums read back over ``/weights_checksum``, which only the
+    loopback server has (SGLang answers 404; the sync then fails with a WeightSyncError).
+    ``group_name``: prefix of the weight-update group's name; every group creation gets its own
+    name (`unique_group_name`), so a restarted trainer never collides with a group that a crashed
+    run left on the servers.
     """
 
     transport: str = "distributed"
@@ -133,6 +147,8 @@ class WeightSync:
         self.config = config
         self.hf_config = hf_config
         self.group = None
+        self.group_name: str | None = None  # the live group's unique name
+        self._run_id = uuid.uuid4().hex[:12]
         self._threads = ThreadPoolExecutor(max_workers=max(1, len(pool.config.urls)))
 
     @property
@@ -168,7 +184,8 @@ class WeightSync:
         stream = self._account(named_tensors, report, sums if self.config.checksum else None)
         self._check(self._on_all("/pause_generation", {}), "pause_generation")
         try:
-            self._check(self._on_all("/flush_cache", {}), "flush_cache")
+            # waits for idle and retries SGLang's 400 (`HttpPool.flush_cache`)
+            self._check([self._threads.submit(self.pool.flush_cache, u) for u in self.urls], "")
             push = {"distributed": self._distributed, "tensor": self._tensor, "disk": self._disk}
             push[self.config.transport](stream, report, version)
             self._check(
@@ -216,7 +233,18 @@ class WeightSync:
         if not sums:
             return
         for url in self.urls:
-            got = self.pool.call_on(url, "POST", "/weights_checksum", {"names": list(sums)})
+            try:
+                got = self.pool.call_on(url, "POST", "/weights_checksum", {"names": list(sums)})
+            except ServerError as err:
+                if "HTTP 404" not in str(err):
+                    raise
+                raise WeightSyncError(
+                    f"WeightSyncConfig.checksum=True, but {url} has no /weights_checksum: only the "
+                    "loopback server serves it. SGLang has no checksum endpoint (its "
+                    "/get_weights_by_name returns the first values of one parameter under "
+                    "SGLang's own names and is not implemented for Qwen3-MoE); set checksum=False "
+                    "and rely on the weight_version check"
+                ) from err
             for name, want in sums.items():
                 if abs(got[name] - want) > self.config.checksum_rtol * max(1.0, abs(want)):
                     raise WeightSyncError(
@@ -229,60 +257,116 @@ class WeightSync:
         del version
         cfg = self.config
         if self.group is None:
-            self.group = self._init_group()
+            self._init_group()
         device = "cuda" if cfg.backend == "nccl" else "cpu"
-        for bucket in iter_buckets(stream, cfg.bucket_bytes):
-            report.num_buckets += 1
-            payload = {
-                "names": [n for n, _ in bucket],
-                "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket],
-                "group_name": cfg.group_name,
-                "flush_cache": False,
-            }
-            futures = self._on_all("/update_weights_from_distributed", payload)
-            for _, tensor in bucket:
-                broadcast_tensor(self.group, tensor.detach().to(device).contiguous())
-            self._check(futures, "update_weights_from_distributed")
+        try:
+            for bucket in iter_buckets(stream, cfg.bucket_bytes):
+                report.num_buckets += 1
+                payload = {
+                    "names": [n for n, _ in bucket],
+                    "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket],
+                    "group_name": self.group_name,
+                    "flush_cache": False,
+                }
+                futures = self._on_all("/update_weights_from_distributed", payload)
+                for _, tensor in bucket:
+                    broadcast_tensor(self.group, tensor.detach().to(device).contiguous())
+                self._check(futures, "update_weights_from_distributed")
+        except BaseException:
+            # Ranks may be mid-broadcast: the group cannot be trusted any more. The next sync
+            # builds a fresh one under a new name.
+            self._destroy_group()
+            raise
 
-    def _init_group(self):
+    def _init_group(self) -> None:
+        """Create a group under a fresh name: servers join as ranks ``1..``, this side is 0.
+
+        On any failure both sides' halves are destroyed before the error propagates.
+        """
         cfg = self.config
         port = cfg.master_port or _free_port(cfg.master_address)
         world = 1 + cfg.engine_ranks * len(self.urls)
+        name = unique_group_name(cfg.group_name, self._run_id)
         payloads = [
             {
                 "master_address": cfg.master_address,
                 "master_port": port,
                 "rank_offset": 1 + i * cfg.engine_ranks,
                 "world_size": world,
-                "group_name": cfg.group_name,
+                "group_name": name,
                 "backend": cfg.backend,
             }
             for i in range(len(self.urls))
         ]
+        self.group_name = name
         futures = self._on_all("/init_weights_update_group", payloads)
-        group = join_weight_group(
-            backend=cfg.backend,
-            master_address=cfg.master_address,
-            master_port=port,
-            rank=0,
-            world_size=world,
-            timeout_s=cfg.group_timeout_s,
-        )
-        self._check(futures, "init_weights_update_group")
-        return group
+        try:
+            self.group = init_weight_group(
+                backend=cfg.backend,
+                master_address=cfg.master_address,
+                master_port=port,
+                rank=0,
+                world_size=world,
+                group_name=name,
+                timeout_s=cfg.group_timeout_s,
+            )
+            self._check(futures, "init_weights_update_group")
+        except BaseException:
+            # Let the servers finish joining (briefly) so the destroy finds their halves.
+            concurrent.futures.wait(futures, timeout=min(30.0, cfg.group_timeout_s))
+            self._destroy_group()
+            raise
+        logger.info("weight-update group %r: %d ranks over %s", name, world, cfg.backend)
+
+    def _destroy_group(self) -> None:
+        """Destroy the current group on every server and here; failures are only logged."""
+        name, group = self.group_name, self.group
+        self.group, self.group_name = None, None
+        if name is None:
+            return
+        futures = self._on_all("/destroy_weights_update_group", {"group_name": name})
+        destroy_weight_group(group)
+        for url, future in zip(self.urls, futures, strict=True):
+            error = future.exception()
+            answer = None if error is not None else future.result()
+            if error is not None or (isinstance(answer, dict) and not answer.get("success")):
+                logger.warning(
+                    "destroy_weights_update_group %r on %s: %s", name, url, error or answer
+                )
 
     def _tensor(self, stream, report: SyncReport, version: int) -> None:
+        """``/update_weights_from_tensor`` per bucket, the way SGLang's own producer does it.
+
+        SGLang's ``UpdateWeightsFromTensorReqInput.serialized_named_tensors`` holds one entry per
+        TP rank and each rank deserialises only its own (``tp_worker.deserialize_own_rank``):
+        with the "sglang" serializer every entry is its own ``MultiprocessingSerializer`` call,
+        after ``monkey_patch_torch_reductions`` (CUDA IPC handles name the GPU by UUID), as
+        ``sglang/srt/weight_sync/utils.py`` does, because each serialisation carries its own
+        producer-side CUDA-IPC reference count; sharing one string between ranks or servers
+        breaks it. The bucket's tensors (and any copies made for sending) stay referenced until
+        every server's HTTP call has returned. "torch_b64" entries are plain bytes without
+        handles, so one string serves every rank.
+        """
         del version
-        for bucket in iter_buckets(stream, self.config.bucket_bytes):
+        cfg = self.config
+        for bucket in iter_buckets(stream, cfg.bucket_bytes):
             report.num_buckets += 1
-            blob = _serialize(bucket, self.config.tensor_serializer)
-            payload = {
-                "serialized_named_tensors": [blob] * self.config.engine_ranks,
-                "load_format": None,
-                "flush_cache": False,
-            }
-            self._check(self._on_all("/update_weights_from_tensor", payload), "from_tensor")
+            named = _tensors_to_send(bucket, cfg.tensor_serializer)
+            if cfg.tensor_serializer == "sglang":
+                serialize = _sglang_serialize()
+                entries = [[serialize(named) for _ in range(cfg.engine_ranks)] for _ in self.urls]
+            else:
+                blob = _torch_b64(named)
+                entries = [[blob] * cfg.engine_ranks for _ in self.urls]
+            payloads = [
+                {"serialized_named_tensors": ranks, "load_format": None, "flush_cache": False}
+                for ranks in entries
+            ]
+            futures = self._on_all("/update_weights_from_tensor", payloads)
+            wait(futures)  # every server done reading before a failure lets `named` go
+            self._check(futures, "update_weights_from_tensor")
+            del named, entries, payloads
 
     def _disk(self, stream, report: SyncReport, version: int) -> None:
         from megatron_rl.atomic_io import atomic_write_text
@@ -303,19 +387,35 @@ class WeightSync:
         self._check(self._on_all("/update_weights_from_disk", payload), "update_weights_from_disk")
 
     def close(self) -> None:
-        if self.group is not None:
-            self._on_all("/destroy_weights_update_group", {"group_name": self.config.group_name})
-            self.group = None
+        self._destroy_group()
         self._threads.shutdown(wait=False)
 
 
-def _serialize(bucket: list[tuple[str, torch.Tensor]], serializer: str) -> str:
-    if serializer == "sglang":  # pragma: no cover - needs sglang and CUDA
-        from sglang.srt.utils import MultiprocessingSerializer
+def _tensors_to_send(bucket: list[tuple[str, torch.Tensor]], serializer: str) -> list:
+    """The (name, tensor) pairs to serialise: on the GPU for CUDA IPC, on the CPU for bytes."""
+    if serializer == "sglang":
+        if not torch.cuda.is_available():
+            raise WeightSyncError(
+                "tensor_serializer='sglang' shares CUDA IPC handles and needs a GPU; use "
+                "'torch_b64' (the loopback server) or another transport"
+            )
+        device = torch.device("cuda", torch.cuda.current_device())
+        return [(n, t.detach().to(device).contiguous()) for n, t in bucket]
+    return [(n, t.detach().cpu().contiguous()) for n, t in bucket]
 
-        return MultiprocessingSerializer.serialize(bucket, output_str=True)
+
+def _sglang_serialize():
+    """SGLang's serializer, after SGLang's own patch of torch's CUDA-IPC reductions."""
+    from sglang.srt.utils import MultiprocessingSerializer  # pragma: no cover - needs sglang
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # idempotent
+    return lambda named: MultiprocessingSerializer.serialize(named, output_str=True)
+
+
+def _torch_b64(named: list[tuple[str, torch.Tensor]]) -> str:
     buffer = io.BytesIO()
-    torch.save([(n, t.detach().cpu().contiguous()) for n, t in bucket], buffer)
+    torch.save(named, buffer)
     return base64.b64encode(buffer.getvalue()).decode()
 
 

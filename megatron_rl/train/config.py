@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -78,9 +79,11 @@ class TrainConfig:
     # rollout
     rollout_engine: str = "local"
     sglang_url: tuple[str, ...] = ()
+    sglang_router_url: str | None = None  # generation through sglang-router; control: workers
     sglang_return_routed_experts: bool = False
     weight_sync_transport: str = "distributed"
     sglang_engine_ranks: int = 1  # GPUs (TP ranks) of each SGLang server, for weight sync
+    sglang_request_timeout: float | None = None  # /generate read timeout (s); None: none
     rollout_dtype: str = "float32"
     rollout_batch_size: int = 16  # prompts per rollout
     n_samples_per_prompt: int = 8
@@ -149,14 +152,35 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"--{_flag(name)}={value!r}: must be an integer >= 1")
-        if not self.lr > 0:
-            raise ValueError(f"--lr={self.lr}: must be > 0")
-        if self.kl_coef < 0:
-            raise ValueError(f"--kl-coef={self.kl_coef}: must be >= 0")
+        if self.sglang_request_timeout is not None and not self.sglang_request_timeout > 0:
+            raise ValueError(
+                f"--sglang-request-timeout={self.sglang_request_timeout}: must be > 0 (or none)"
+            )
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"--lr={self.lr}: must be a finite number > 0")
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise ValueError(f"--kl-coef={self.kl_coef}: must be a finite number >= 0")
         if self.save_interval < 0:
             raise ValueError(f"--save-interval={self.save_interval}: must be >= 0")
+        if self.save_interval and not self.save:
+            raise ValueError(
+                f"--save-interval {self.save_interval} without --save: nothing would be saved; "
+                "give --save DIR or drop --save-interval"
+            )
+        self._check_sampling()
         self._check_loss_params()
         self._check_combinations()
+
+    def _check_sampling(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"--temperature={self.temperature}: must be > 0 (at 0 every sample of a prompt is "
+                "the same, every group has zero variance and nothing is learned)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p={self.top_p}: must be in (0, 1] (1 keeps every token)")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"--top-k={self.top_k}: must be -1 (no limit) or >= 1")
 
     def _check_loss_params(self) -> None:
         spec = get_loss_spec(self.loss)
@@ -296,6 +320,8 @@ class TrainConfig:
             weight_sync_transport=self.weight_sync_transport,
             weight_sync_dir=os.path.join(self.run_dir, "weight_sync"),
             sglang_engine_ranks=self.sglang_engine_ranks,
+            sglang_request_timeout=self.sglang_request_timeout,
+            sglang_router_url=self.sglang_router_url,
         )
 
     def logger_config(self):
@@ -427,10 +453,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("rollout")
     add(g, "rollout-engine", choices=("local", "sglang"))
-    g.add_argument("--sglang-url", dest="sglang_url", action="append", default=[])
+    g.add_argument(
+        "--sglang-url",
+        dest="sglang_url",
+        action="append",
+        default=[],
+        help="an SGLang worker (repeat for each); control calls and weight sync go to each",
+    )
+    add(g, "sglang-router-url", type=str, help="sglang-router: generation goes through it")
     add(g, "sglang-return-routed-experts", action="store_true")
     add(g, "weight-sync-transport", choices=("distributed", "tensor", "disk"))
     add(g, "sglang-engine-ranks", help="TP ranks of each SGLang server (weight-sync group)")
+    add(
+        g,
+        "sglang-request-timeout",
+        type=_optional_float,
+        help="read timeout (s) of one SGLang request; default none (a timed-out request is "
+        "aborted and retried elsewhere, the server is not marked down)",
+    )
     add(g, "rollout-dtype", choices=("float32", "bfloat16"))
     for name in ("rollout-batch-size", "n-samples-per-prompt", "max-response-length"):
         add(g, name)

@@ -22,6 +22,8 @@ class EngineConfig:
     weight_sync_transport: str = "distributed"
     weight_sync_dir: str = "runs/latest/weight_sync"  # the disk transport's folder
     sglang_engine_ranks: int = 1  # GPUs (TP ranks) of each SGLang server
+    sglang_request_timeout: float | None = None  # read timeout of one request; None: none
+    sglang_router_url: str | None = None  # generation through sglang-router (workers: control)
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -59,8 +61,11 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
     )
     engine_config = SGLangEngineConfig.from_hf_config(
         hf_config,
-        http=HttpPoolConfig(urls=config.sglang_url),
+        http=HttpPoolConfig(
+            urls=config.sglang_url, request_timeout_s=config.sglang_request_timeout
+        ),
         routing_codec=config.routing_dtype,
         sync=sync,
+        router_url=config.sglang_router_url,
     )
     return SGLangEngine(engine_config)

@@ -91,3 +91,24 @@ def test_start_wait_generate_stop_a_server_subprocess(tmp_path):
         assert [s.response_ids_R.numel() for s in samples] == [3, 3]
     finally:
         assert stop_process(process, timeout_s=10.0) is not None
+
+
+def test_serve_prints_the_router_apart_from_the_worker_urls(capsys):
+    from megatron_rl.rollout.serve import main
+
+    assert (
+        main(["--model-path", "m", "--num-servers", "2", "--router-port", "29000", "--dry-run"])
+        == 0
+    )
+    lines = [line for line in capsys.readouterr().out.splitlines() if "URL " in line]
+    assert lines == [
+        "URL http://127.0.0.1:30000",
+        "URL http://127.0.0.1:30001",
+        "ROUTER_URL http://127.0.0.1:29000",
+    ]
+
+
+def test_wait_healthy_probe_timeout_must_allow_sglangs_1_s_health(servers):
+    (server,) = servers(1)
+    with pytest.raises(ValueError, match="probe_timeout_s"):
+        wait_healthy(server.url, timeout_s=5.0, probe_timeout_s=1.0)

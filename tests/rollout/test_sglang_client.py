@@ -5,14 +5,14 @@ decoding and checking of SGLang-shaped answers (``output_ids``, ``meta_info`` wi
 ``output_token_logprobs``, ``finish_reason``, ``weight_version``, base64 int32
 ``routed_experts``), and that it returns exactly what the in-process engine returns. What it does
 not prove: that a real SGLang server answers in exactly this shape (the loopback server is
-written from SGLang 0.5's ``io_struct.py`` field names, checked below against sglang's own
-dataclasses only when sglang is importable), nor SGLang's own sampling numerics.
+written from SGLang's ``io_struct.py`` field names, checked below and in
+``test_sglang_contract_payload.py`` against the pinned SGLang's source), nor SGLang's own
+sampling numerics.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import threading
 import time
 
@@ -202,7 +202,7 @@ def _answer(num_prompt: int, num_out: int, layers=2, topk=2) -> dict:
 def _decode(body, prompt=(1, 2, 3)):
     return decode_generate(
         body, prompt=list(prompt), prompt_index=3, sample_index=1,
-        codec=RoutingCodec(8, 2), num_moe_layers=2,
+        codec=RoutingCodec(8, 2), layer_pattern=(1, 1),
     )  # fmt: skip
 
 
@@ -259,14 +259,13 @@ def test_request_payload_uses_sglang_field_names():
 
 
 def test_field_names_match_sglang_dataclasses():
-    io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
-    sampling = pytest.importorskip("sglang.srt.sampling.sampling_params")
-    import inspect
+    """Read from the pinned SGLang's source (`sglang_source`), not imported: runs in CI."""
+    from sglang_source import dataclass_fields
 
-    generate_fields = {f.name for f in dataclasses.fields(io_struct.GenerateReqInput)}
-    assert set(GENERATE_FIELDS) <= generate_fields
-    sampling_args = set(inspect.signature(sampling.SamplingParams.__init__).parameters)
-    assert {*SAMPLING_FIELDS, SEED_FIELD} - {"n"} <= sampling_args
+    io_struct = "srt/managers/io_struct.py"
+    assert set(GENERATE_FIELDS) <= set(dataclass_fields(io_struct, "GenerateReqInput"))
+    sampling_fields = set(dataclass_fields("srt/sampling/sampling_params.py", "SamplingParams"))
+    assert {*SAMPLING_FIELDS, SEED_FIELD} <= sampling_fields
     for name, fields in [
         ("UpdateWeightsFromDistributedReqInput", {"names", "dtypes", "shapes", "group_name"}),
         ("InitWeightsUpdateGroupReqInput", {"master_address", "master_port", "rank_offset"}),
@@ -274,4 +273,83 @@ def test_field_names_match_sglang_dataclasses():
         ("UpdateWeightFromDiskReqInput", {"model_path", "load_format"}),
         ("UpdateWeightVersionReqInput", {"new_version"}),
     ]:
-        assert fields <= {f.name for f in dataclasses.fields(getattr(io_struct, name))}, name
+        assert fields <= set(dataclass_fields(io_struct, name)), name
+
+
+def test_a_read_timeout_does_not_mark_the_server_down_and_aborts_the_request(servers):
+    (server,) = servers(1)
+    server.stall_s = 60.0
+    server.before_request = _fail_first({}, ["stall"])
+    assert HttpPoolConfig(urls=(server.url,)).request_timeout_s is None  # default: no timeout
+    with client_for([server], request_timeout_s=1.0, down_s=60.0) as client:
+        got = client.generate(PROMPTS[:1], PARAMS)
+        assert client.pool.healthy_urls() == [server.url]  # busy is not down
+    assert len(got) == 1 and client.pool.retries == 1
+    assert [set(a) for a in server.aborts] == [{"rid"}]  # the timed-out request, by its rid
+    assert not server._running  # the stalled request ended (aborted), it did not run on
+
+
+def test_sglang_request_timeout_flag_reaches_the_pool():
+    from megatron_rl.train.config import parse_args
+    from megatron_rl.train.engines import build_engine
+
+    argv = ["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:1"]
+    assert parse_args(argv).engine_config().sglang_request_timeout is None
+    config = parse_args([*argv, "--sglang-request-timeout", "7200"]).engine_config()
+    with build_engine(config, tiny_config(), pad_token_id=0, seed=0) as engine:
+        assert engine.pool.config.request_timeout_s == 7200.0
+
+
+def test_a_failed_batch_aborts_what_it_already_sent(servers):
+    (server,) = servers(1)
+    server.stall_s = 60.0
+    original = server.handle
+
+    def reject_prompt_1(path, payload):
+        if path == "/generate" and payload["input_ids"] == PROMPTS[1]:
+            return 400, {"error": "rejected"}
+        return original(path, payload)
+
+    server.handle = reject_prompt_1
+
+    def stall_prompt_0(path, payload):
+        return "stall" if payload and payload.get("input_ids") == PROMPTS[0] else None
+
+    server.before_request = stall_prompt_0
+    start = time.monotonic()
+    with client_for([server]) as client, pytest.raises(RuntimeError, match="HTTP 400"):
+        client.generate(PROMPTS, PARAMS, n=N)
+    assert {"abort_all": True} in server.aborts
+    deadline = time.monotonic() + 10.0
+    while server._running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server._running and time.monotonic() - start < 30.0  # the 60 s stalls ended
+
+
+ROUTER_ROUTES = {"/generate", "/health", "/health_generate", "/flush_cache", "/get_model_info"}
+
+
+def test_generation_goes_through_the_router_and_control_calls_to_the_workers(servers):
+    worker, router = servers(2)
+    original = router.handle
+    router.handle = lambda path, payload: (
+        original(path, payload) if path in ROUTER_ROUTES else (404, {"detail": "Not Found"})
+    )
+    config = SGLangEngineConfig.from_hf_config(
+        tiny_config(),
+        http=HttpPoolConfig(urls=(worker.url,), backoff_s=0.01),
+        router_url=router.url,
+    )
+    with SGLangEngine(config) as client:
+        assert len(client.generate(PROMPTS, PARAMS, n=N)) == len(PROMPTS) * N
+        client.flush_cache()
+        assert client.health().healthy
+        assert client.weight_sync.urls == (worker.url,)  # the router is no weight-group member
+    assert router.requests.count("/generate") == len(PROMPTS) * N
+    assert "/generate" not in worker.requests
+    assert "/flush_cache" in worker.requests and "/get_model_info" in worker.requests
+    assert not set(router.requests) - ROUTER_ROUTES
+    with pytest.raises(ValueError, match="both router_url and a worker URL"):
+        SGLangEngineConfig.from_hf_config(
+            tiny_config(), http=HttpPoolConfig(urls=(worker.url,)), router_url=worker.url
+        )

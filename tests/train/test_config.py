@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron_rl.train.__main__ import main
@@ -56,7 +58,7 @@ def test_megatron_flag_names_and_rl_flags_parse_into_one_config():
         ),
         (["--pipeline-model-parallel-size", "2"], "not supported by the trainer yet"),
         (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
-        (["--lr", "0"], "--lr=0.0: must be > 0"),
+        (["--lr", "0"], "--lr=0.0: must be a finite number > 0"),
     ],
 )
 def test_bad_combinations_name_the_flags(argv, match):
@@ -142,3 +144,28 @@ def test_a_load_path_without_a_checkpoint_is_an_error_unless_it_is_the_save_fold
         resolve_load(parse_args(["--load", str(tmp_path / "empty")]))
     assert resolve_load(parse_args(["--load", missing, "--save", missing])) is None  # fresh
     assert main(["--load", missing]) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--temperature", "-1"], "--temperature=-1.0"),
+        (["--temperature", "0"], "nothing is learned"),
+        (["--top-p", "0"], "--top-p=0.0"),
+        (["--top-p", "2"], "--top-p=2.0"),
+        (["--top-k", "0"], "--top-k=0"),
+        (["--lr", "inf"], "--lr=inf"),
+        (["--kl-coef", "nan"], "--kl-coef=nan"),
+        (["--kl-coef", "inf"], "--kl-coef=inf"),
+        (["--save-interval", "5"], "without --save"),
+    ],
+)
+def test_sampling_and_optimiser_values_are_checked_at_parse_time(argv, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        parse_args(argv)
+
+
+def test_a_router_carries_generation_and_the_workers_control():
+    argv = "--rollout-engine sglang --sglang-url http://w0:30000"
+    config = parse_args([*argv.split(), "--sglang-router-url", "http://router:29000"])
+    assert config.engine_config().sglang_router_url == "http://router:29000"

@@ -1,0 +1,192 @@
+"""The weight-update group against SGLang's own server side, and its names and teardown.
+
+The server half is SGLang's ``init_custom_process_group`` (``sglang/srt/utils/common.py``),
+compiled from the pinned package's source by `sglang_source.load_function` and run in a child
+process exactly as SGLang's ``init_weights_update_group`` calls it (``tcp://`` init method,
+``rank = rank_offset + tp_rank``, ``group_name``). The trainer half is the project's
+`init_weight_group`. A group built any other way waits on store keys the other side never writes,
+so these tests fail by timeout (short here) rather than by a wrong answer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing
+import socket
+
+import pytest
+import torch
+from sglang_source import load_function
+
+from megatron_rl.rollout import weight_group
+
+# The child process re-imports this module: heavier imports stay inside the tests.
+
+TIMEOUT_S = 15.0
+TENSORS = [
+    ("a.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7),
+    ("b.bias", torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)),
+    ("c.index", torch.tensor([[7, -1], [2**40, 0]], dtype=torch.int64)),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _sglang_server_rank(conn, port: int, world_size: int, group_name: str, bucket) -> None:
+    """Child process: SGLang's server side (rank 1), then one bucket received and sent back."""
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    init_custom_process_group = load_function(
+        "srt/utils/common.py",
+        "init_custom_process_group",
+        {"torch": torch, "torch_release": release},
+    )
+    conn.send(("ready", None))  # the group's timeout starts once both sides are running
+    try:
+        group = init_custom_process_group(
+            backend="gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+            world_size=world_size,
+            rank=1,
+            group_name=group_name,
+        )
+        received = weight_group.receive_bucket(group, *bucket)
+        buffer = io.BytesIO()
+        torch.save(received, buffer)
+        conn.send(("ok", buffer.getvalue()))
+        torch.distributed.destroy_process_group(group)  # what SGLang's destroy endpoint does
+    except Exception as err:
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("under_torchrun", [False, True], ids=["plain", "torchrun_agent_store"])
+def test_trainer_group_interoperates_with_sglangs_init_custom_process_group(
+    monkeypatch, under_torchrun
+):
+    """Also under torchrun, whose agent-store setting would make a ``tcp://`` rendezvous on
+    rank 0 a mere client: the trainer must still host the store."""
+    port = _free_port()
+    name = weight_group.unique_group_name("contract")
+    bucket = (
+        [n for n, _ in TENSORS],
+        [weight_group.dtype_name(t.dtype) for _, t in TENSORS],
+        [list(t.shape) for _, t in TENSORS],
+    )
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    server = context.Process(target=_sglang_server_rank, args=(child, port, 2, name, bucket))
+    server.start()
+    try:
+        assert parent.poll(120) and parent.recv()[0] == "ready"
+        if under_torchrun:  # the trainer only; SGLang's process started without it
+            monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        group = weight_group.init_weight_group(
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name=name,
+            timeout_s=TIMEOUT_S,
+        )
+        for _, tensor in TENSORS:
+            weight_group.broadcast_tensor(group, tensor.clone())
+        assert parent.poll(TIMEOUT_S + 30), "SGLang's side never answered"
+        status, blob = parent.recv()
+        assert status == "ok", blob
+        received = torch.load(io.BytesIO(blob), weights_only=True)
+        assert [n for n, _ in received] == [n for n, _ in TENSORS]
+        for (_, got), (_, want) in zip(received, TENSORS, strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        assert weight_group.destroy_weight_group(group)
+        assert not weight_group.destroy_weight_group(group)  # already gone: no error
+    finally:
+        server.join(TIMEOUT_S + 30)
+        if server.is_alive():
+            server.kill()
+    assert server.exitcode == 0
+
+
+def test_group_names_are_unique_per_creation_and_never_empty():
+    names = {weight_group.unique_group_name("w", "run1") for _ in range(3)}
+    assert len(names) == 3 and all(n.startswith("w-run1-") for n in names)
+    assert weight_group.unique_group_name("w") != weight_group.unique_group_name("w")
+    with pytest.raises(ValueError, match="empty"):
+        weight_group.unique_group_name("")
+    assert weight_group.tcp_init_method("::1", 5) == "tcp://[::1]:5"
+
+
+def _sync(server_url: str, engine, version: int):
+    from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig
+    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
+
+    pool = HttpPool(HttpPoolConfig(urls=(server_url,), request_timeout_s=60.0, backoff_s=0.01))
+    config = WeightSyncConfig(
+        transport="distributed", group_timeout_s=TIMEOUT_S, tensor_serializer="torch_b64"
+    )
+    sync = WeightSync(pool, config)
+    named = [(n, p.detach() + version) for n, p in list(engine.model.named_parameters())[:3]]
+    sync.sync(named, version=version)
+    return sync
+
+
+@pytest.mark.distributed
+def test_a_restarted_trainer_syncs_again_and_close_tears_the_group_down(servers):
+    from rollout_testing import make_engine
+
+    engine = make_engine(seed=0)
+    (server,) = servers(1, engine=engine)
+    first = _sync(server.url, engine, version=1)
+    stale = first.group_name
+    assert list(server.weight_groups) == [stale]
+    # The trainer "crashes": its half of the group dies with it, the server keeps its half.
+    weight_group.destroy_weight_group(first.group)
+    first._threads.shutdown(wait=False)
+
+    second = _sync(server.url, engine, version=2)  # a fresh name: no clash with the stale group
+    assert second.group_name != stale and set(server.weight_groups) == {stale, second.group_name}
+    assert engine.weight_version == 2
+    second.close()
+    assert second.group is None and second.group_name is None
+    assert set(server.weight_groups) == {stale}  # only the crashed run's group is left
+    status, answer = server.handle("/destroy_weights_update_group", {"group_name": stale})
+    assert status == 200 and answer["success"] is True
+    status, answer = server.handle("/destroy_weights_update_group", {"group_name": stale})
+    assert status == 400 and answer["success"] is False  # SGLang's answer for an unknown group
+
+
+@pytest.mark.distributed
+def test_a_failed_group_creation_destroys_both_halves(servers):
+    from rollout_testing import make_engine
+
+    from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig
+    from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
+
+    engine = make_engine(seed=0)
+    (server,) = servers(1, engine=engine)
+    seen = []
+
+    def fail_the_join(path, payload):
+        if path == "/init_weights_update_group":
+            seen.append(payload["group_name"])
+            return "503"
+        return None
+
+    server.before_request = fail_the_join
+    pool = HttpPool(HttpPoolConfig(urls=(server.url,), request_timeout_s=60.0, backoff_s=0.01))
+    sync = WeightSync(pool, WeightSyncConfig(transport="distributed", group_timeout_s=3.0))
+    with pytest.raises(Exception, match=r"(?i)timed out|init_weights_update_group"):
+        sync._init_group()
+    assert sync.group is None and sync.group_name is None and not server.weight_groups
+    assert "/destroy_weights_update_group" in server.requests
+    server.before_request = None
+    sync._init_group()  # a retry works under a new name
+    assert sync.group_name != seen[0] and list(server.weight_groups) == [sync.group_name]
+    sync.close()
+    assert not server.weight_groups
