@@ -7,6 +7,7 @@ what each rank holds.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -49,3 +50,12 @@ class ParallelConfig:
                     f"world size {world_size} is not divisible by {what} parallel size {size}; "
                     "change ParallelConfig or the number of ranks"
                 )
+
+
+def initialized_parallel_state():
+    """megatron's ``parallel_state`` when it is imported and its groups are initialised, else
+    None. Imports nothing: a process that never imported megatron has no megatron groups."""
+    module = sys.modules.get("megatron.core.parallel_state")
+    if module is None or not module.model_parallel_is_initialized():
+        return None
+    return module

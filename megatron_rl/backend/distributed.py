@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_rl.backend.cpu import select_device
-from megatron_rl.parallel import ParallelConfig
+from megatron_rl.parallel import ParallelConfig, initialized_parallel_state  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +68,6 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def initialized_parallel_state():
-    """megatron's ``parallel_state`` when its groups are initialised, else None."""
-    return parallel_state if parallel_state.model_parallel_is_initialized() else None
 
 
 def _free_tcp_address() -> str:

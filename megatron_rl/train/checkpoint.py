@@ -40,8 +40,8 @@ import time
 import torch
 
 from megatron_rl.atomic_io import atomic_write_text, fsync_dir, fsync_file
-from megatron_rl.backend.distributed import initialized_parallel_state
 from megatron_rl.collectives import all_gather_objects, any_rank, barrier, rank_and_world_size
+from megatron_rl.parallel import initialized_parallel_state
 from megatron_rl.train.optimizer_state import (
     load_optimizer_state,
     optimizer_difference,

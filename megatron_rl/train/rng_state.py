@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_rl.backend.distributed import initialized_parallel_state
+from megatron_rl.parallel import initialized_parallel_state
 
 logger = logging.getLogger(__name__)
 
