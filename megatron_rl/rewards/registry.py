@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 
 from megatron_rl.rewards.batch import RewardFn
@@ -24,7 +25,8 @@ def get_reward_fn(name: str) -> RewardFn:
     """The reward function ``name``: a built-in name or ``"package.module:function"``.
 
     A ``module:function`` is imported with ``importlib`` (the module must be on ``sys.path``) and
-    must be a callable taking ``(response: str, answer: str)`` and returning a float.
+    must be a callable taking ``(response: str, answer: str)`` and returning a float; one that
+    cannot be called with two arguments is refused here, before training starts.
     """
     if name in _REWARDS:
         return _REWARDS[name]
@@ -50,4 +52,15 @@ def get_reward_fn(name: str) -> RewardFn:
             raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}")
     if not callable(fn):
         raise ValueError(f"reward {name!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C functions have no signature: accept them
+        return fn
+    try:
+        signature.bind("response", "answer")
+    except TypeError as err:
+        raise ValueError(
+            f"reward {name!r}: {attr}{signature} cannot be called as {attr}(response, answer) "
+            f"({err}); give it exactly two positional parameters"
+        ) from err
     return fn

@@ -1,16 +1,32 @@
 """``python -m megatron_rl.train [flags]``: see ``--help`` and ``megatron_rl/train/config.py``.
 
 Flags are parsed and validated before megatron-core, transformers or a model are imported, so
-``--help`` and flag errors answer at once.
+``--help`` and flag errors answer at once. Then ``--load``, the prompt data, tokenizer, prompt
+lengths and the reward function are checked (`megatron_rl.train.setup.check_task`) before the
+model is built. Each of these errors is one line, ``error: ...`` on stderr, exit status 2; set the
+environment variable ``MEGATRON_RL_DEBUG=1`` to get the full traceback as well.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import traceback
 
 from megatron_rl.quiet_imports import quiet_third_party_warnings
 from megatron_rl.train.config import parse_args
+
+DEBUG_ENV = "MEGATRON_RL_DEBUG"
+"""Set to 1 (or anything but "", "0") to print the traceback of a start-up error too."""
+
+
+def _start_up_error(err: Exception) -> int:
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(err, file=sys.stderr)
+    message = " ".join(str(err).split()) or type(err).__name__  # one line
+    print(f"error: {message}", file=sys.stderr)  # noqa: T201 (the CLI's own error channel)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,16 +36,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)  # noqa: T201 (the CLI's own error channel)
-        return 2
+        return _start_up_error(err)
     quiet_third_party_warnings()
     from megatron_rl.train.run import TrainingStopped, resolve_load, run
+    from megatron_rl.train.setup import check_task
 
     try:
         resolve_load(config)  # checked before megatron builds anything
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)  # noqa: T201
-        return 2
+        # data, tokenizer and reward before the model; the trainer reuses the loaded task
+        check_task(config.task_config())
+    except ValueError as err:  # UnicodeDecodeError included
+        return _start_up_error(err)
     try:
         run(config)
     except TrainingStopped as err:

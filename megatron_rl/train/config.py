@@ -95,11 +95,13 @@ class TrainConfig:
     prompt_data: str | None = None  # None: the built-in task
     tokenizer: str | None = None
     max_prompt_length: int | None = None
+    prompt_too_long: str = "error"  # or "drop", "truncate-left" (see --help)
     reward: str = "builtin"
     # output
     run_dir: str = "runs/latest"
     save: str | None = None
     load: str | None = None
+    load_fallback: bool = False  # a corrupted checkpoint: load the newest older one that verifies
     save_interval: int = 0
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
@@ -122,6 +124,7 @@ class TrainConfig:
             "device": ("auto", "cpu", "cuda"),
             "transformer_impl": TRANSFORMER_IMPLS,
             "wandb_mode": ("offline", "online", "disabled"),
+            "prompt_too_long": ("error", "drop", "truncate-left"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -152,6 +155,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"--{_flag(name)}={value!r}: must be an integer >= 1")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"--max-prompt-length={self.max_prompt_length}: must be >= 1")
         if self.sglang_request_timeout is not None and not self.sglang_request_timeout > 0:
             raise ValueError(
                 f"--sglang-request-timeout={self.sglang_request_timeout}: must be > 0 (or none)"
@@ -306,6 +311,8 @@ class TrainConfig:
             prompt_data=self.prompt_data,
             tokenizer=self.tokenizer,
             max_prompt_length=self.max_prompt_length,
+            max_response_length=self.max_response_length,
+            prompt_too_long=self.prompt_too_long,
             reward=self.reward,
             seed=self.seed,
             tensor_parallel=self.tensor_model_parallel_size,
@@ -477,10 +484,27 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("temperature", "top-p", "top-k"):
         add(g, name)
 
-    g = parser.add_argument_group("data and reward")
+    g = parser.add_argument_group(
+        "data and reward",
+        "checked before the model is built; an error is one line naming the file, row and field "
+        "(set MEGATRON_RL_DEBUG=1 for the traceback)",
+    )
     add(g, "prompt-data", type=str, help="JSONL/Parquet prompts; default: the built-in task")
     add(g, "tokenizer", type=str, help="HF tokenizer folder (default: the --model folder)")
-    add(g, "max-prompt-length", type=int)
+    add(
+        g,
+        "max-prompt-length",
+        type=int,
+        help="longest prompt in tokens (chat template included); default and upper bound: the "
+        "model's max_position_embeddings - --max-response-length",
+    )
+    add(
+        g,
+        "prompt-too-long",
+        choices=("error", "drop", "truncate-left"),
+        help="a prompt over that limit: error (default; names the row), drop the row, or "
+        "truncate-left (keep its last tokens)",
+    )
     add(g, "reward", help="builtin, math, or module:function")
 
     g = parser.add_argument_group("output")
@@ -489,6 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("save", "load", "wandb-project", "wandb-exp-name"):
         add(g, name, type=str)
     add(g, "save-interval")
+    add(
+        g,
+        "load-fallback",
+        action="store_true",
+        help="when --load's checkpoint fails its checksums, load the newest older one instead",
+    )
     g.add_argument("--no-progress", dest="progress", action="store_false")
     add(g, "max-bad-steps")
     return parser

@@ -75,7 +75,11 @@ def run(config: TrainConfig, **dist_kwargs) -> dict:
         if load is not None:
             root, step = load
             state = load_training_state(
-                root, model=trainer.model, optimizer=trainer.optimizer, step=step
+                root,
+                model=trainer.model,
+                optimizer=trainer.optimizer,
+                step=step,
+                fallback=config.load_fallback,
             )
             trainer.load_state_dict(state)
             saver.saved_step = trainer.step_index  # that step is on disk already

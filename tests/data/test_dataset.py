@@ -134,7 +134,9 @@ def test_unknown_extension_and_missing_file_raise(tmp_path, tokenizer):
 
 def test_long_prompt_raises_or_is_skipped_with_warning(tmp_path, tokenizer, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", FLAT)  # 8 and 7 tokens with the template
-    with pytest.raises(ValueError, match=r"row 1: prompt \('prompt'\) has 8 tokens > max_prompt"):
+    with pytest.raises(
+        ValueError, match=r"row 1: prompt \('prompt'\) has 8 tokens > 7 \(max_prompt"
+    ):
         load_prompt_dataset(path, tokenizer, max_prompt_length=7)
     with caplog.at_level(logging.WARNING, logger="megatron_rl.data.dataset"):
         records = load_prompt_dataset(path, tokenizer, max_prompt_length=7, skip_long_prompts=True)
@@ -142,3 +144,53 @@ def test_long_prompt_raises_or_is_skipped_with_warning(tmp_path, tokenizer, capl
     assert "skipped 1 prompt(s)" in caplog.text and "rows 1" in caplog.text
     with pytest.raises(ValueError, match="no usable rows"):
         load_prompt_dataset(path, tokenizer, max_prompt_length=2, skip_long_prompts=True)
+
+
+def test_long_prompt_is_left_truncated_or_dropped_and_the_limit_is_named(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", FLAT)  # 8 and 7 tokens with the template
+    full = load_prompt_dataset(path, tokenizer)
+    source = "--model context 12 - --max-response-length 6"
+    with pytest.raises(ValueError, match=r"row 1: .* has 8 tokens > 6 \(--model context 12 - "):
+        load_prompt_dataset(path, tokenizer, max_prompt_length=6, limit_source=source)
+    cut = load_prompt_dataset(path, tokenizer, max_prompt_length=6, prompt_too_long="truncate-left")
+    assert [r.prompt_ids for r in cut] == [r.prompt_ids[-6:] for r in full]
+    assert cut[0].prompt_ids[-1] == tokenizer.encode("<|assistant|>")[0]  # the turn stays open
+    assert [r.answer for r in cut] == ["three", "2"]
+    dropped = load_prompt_dataset(path, tokenizer, max_prompt_length=7, prompt_too_long="drop")
+    assert [r.answer for r in dropped] == ["2"]
+    with pytest.raises(ValueError, match="prompt_too_long='cut'"):
+        load_prompt_dataset(path, tokenizer, prompt_too_long="cut")
+
+
+def test_non_utf8_jsonl_names_the_row_byte_column_and_offset(tmp_path, tokenizer):
+    path = tmp_path / "prompts.jsonl"
+    first = (json.dumps(FLAT[0]) + "\n").encode()
+    path.write_bytes(first + b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(path, tokenizer)
+    assert not isinstance(info.value, UnicodeDecodeError)
+    message = str(info.value)
+    assert "prompts.jsonl: row 2: not UTF-8 (byte 0xe9 at column 16, " in message
+    assert f"file offset {len(first) + 15})" in message and "save the file as UTF-8" in message
+
+
+def test_utf8_byte_order_mark_is_accepted(tmp_path, tokenizer):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + write_jsonl(tmp_path / "plain.jsonl", FLAT).read_bytes())
+    assert load_prompt_dataset(path, tokenizer) == load_prompt_dataset(
+        tmp_path / "plain.jsonl", tokenizer
+    )
+
+
+def test_non_utf8_parquet_string_names_the_row_and_field(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw = pa.array([b"what is one ?", b"two \xff"], type=pa.binary())
+    prompts = pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())  # unvalidated
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "answer": ["1", "2"]}), path)
+    with pytest.raises(ValueError) as info:
+        load_prompt_dataset(path, tokenizer)
+    assert not isinstance(info.value, UnicodeDecodeError)
+    assert "d.parquet: row 2: field 'prompt' is not UTF-8 (byte 0xff at byte 5" in str(info.value)

@@ -256,3 +256,18 @@ def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
         assert "routing/agreement" in last
     finally:
         server.stop()
+
+
+def test_a_corrupted_checkpoint_stops_the_resume_or_falls_back_with_the_flag(tmp_path):
+    save = str(tmp_path / "ckpt")
+    run(small_config(tmp_path, train_iters=2, save=save, save_interval=1), **rendezvous(tmp_path))
+    shard = tmp_path / "ckpt" / "step_00000002" / "optim_rank00000.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    resumed = small_config(tmp_path, train_iters=3, load=save)
+    with pytest.raises(ValueError, match=r"optim_rank00000\.pt is corrupted"):
+        run(resumed, **rendezvous(tmp_path, "rdzv2"))
+    last = run(dataclasses.replace(resumed, load_fallback=True), **rendezvous(tmp_path, "rdzv3"))
+    assert [r["step"] for r in _metrics(tmp_path)][-2:] == [2, 3]  # step 1 + 2 more
+    assert last
