@@ -11,6 +11,10 @@ does not mark the server down (a long generation on a busy, healthy server is no
 every server is down, the pool probes ``/health`` on each (in parallel) before giving up with
 `NoHealthyServerError`.
 
+Membership: `HttpPool.drop` takes a server out of the pool (no generation is sent to it, no
+probe brings it back) until `HttpPool.admit`; `WeightSync` drops a server that died or failed a
+sync and admits it again only after a full sync at the current version.
+
 Timeouts follow SGLang 0.5's handlers (``sglang/srt/entrypoints/http_server.py``): ``/health``
 generates one token and sleeps 1 s before its first check, answering 503 only after
 ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), so ``health_timeout_s`` defaults to 30 s; ``/generate``
@@ -154,6 +158,7 @@ class HttpPool:
         self.config = config
         self._down_until = dict.fromkeys(config.urls, 0.0)
         self._in_flight = dict.fromkeys(config.urls, 0)
+        self._dropped: dict[str, str] = {}  # url -> why (out of the pool until `admit`)
         self._lock = threading.Lock()
         self.retries = 0  # requests re-sent after a failure (for metrics and tests)
 
@@ -185,9 +190,41 @@ class HttpPool:
         return [u for u, up in zip(urls, ok, strict=True) if up]
 
     def healthy_urls(self) -> list[str]:
+        """Members not marked down, in order."""
         now = time.monotonic()
         with self._lock:
-            return [u for u in self.config.urls if self._down_until[u] <= now]
+            return [
+                u for u in self.config.urls if self._down_until[u] <= now and u not in self._dropped
+            ]
+
+    # ------------------------------------------------------------------ membership
+    def members(self) -> list[str]:
+        """The servers in the pool (not dropped), in order; some may be marked down."""
+        with self._lock:
+            return [u for u in self.config.urls if u not in self._dropped]
+
+    def dropped(self) -> dict[str, str]:
+        """Dropped servers and why."""
+        with self._lock:
+            return dict(self._dropped)
+
+    def drop(self, url: str, why: str) -> bool:
+        """Take ``url`` out of the pool until `admit`; False if it was already out."""
+        with self._lock:
+            if url in self._dropped:
+                return False
+            self._dropped[url] = why
+        logger.warning("server %s dropped from the pool: %s", url, why)
+        return True
+
+    def admit(self, url: str) -> bool:
+        """Put a dropped ``url`` back into the pool (up); False if it was a member."""
+        with self._lock:
+            if self._dropped.pop(url, None) is None:
+                return False
+            self._down_until[url] = 0.0
+        logger.warning("server %s rejoined the pool", url)
+        return True
 
     def _mark_down(self, url: str, why: str) -> None:
         logger.warning("server %s marked down for %.0f s: %s", url, self.config.down_s, why)
@@ -197,10 +234,16 @@ class HttpPool:
     def _pick(self, avoid: str | None) -> str:
         candidates = self.healthy_urls()
         if not candidates:
-            candidates = self.probe_all()
+            members = self.members()
+            if not members:
+                raise NoHealthyServerError(
+                    f"no rollout server left in the pool: all of {list(self.config.urls)} were "
+                    f"dropped ({self.dropped()})"
+                )
+            candidates = [u for u in self.probe_all(members) if u not in self.dropped()]
         if not candidates:
             raise NoHealthyServerError(
-                f"no healthy rollout server among {list(self.config.urls)} (all failed /health)"
+                f"no healthy rollout server among {self.members()} (all failed /health)"
             )
         if avoid in candidates and len(candidates) > 1:
             candidates.remove(avoid)

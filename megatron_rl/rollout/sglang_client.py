@@ -63,6 +63,8 @@ class SGLangEngineConfig:
     optional ``sglang-router`` that generation goes through (see the module docstring).
     ``layer_pattern``: per HF decoder layer, 1 for a MoE layer and 0 for a dense one
     (`moe_layer_pattern` of the HF config); SGLang returns routes for all of them.
+    ``min_servers``: a weight sync fails (`WeightSyncError`, the run stops) when fewer worker
+    servers than this are left; a dead one is dropped and the run goes on with the others.
     """
 
     http: HttpPoolConfig
@@ -73,8 +75,16 @@ class SGLangEngineConfig:
     routing_codec: str = "auto"
     max_in_flight: int = 64
     sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
+    min_servers: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.min_servers, int) or self.min_servers < 1:
+            raise ValueError(f"SGLangEngineConfig.min_servers={self.min_servers!r}: must be >= 1")
+        if self.min_servers > len(self.http.urls):
+            raise ValueError(
+                f"SGLangEngineConfig.min_servers={self.min_servers}: only "
+                f"{len(self.http.urls)} worker URLs given"
+            )
         if self.routing_codec not in CODECS:
             raise ValueError(
                 f"SGLangEngineConfig.routing_codec={self.routing_codec!r}: choose one of {CODECS}"
@@ -123,7 +133,9 @@ class SGLangEngine:
             else HttpPool(dataclasses.replace(config.http, urls=(config.router_url,)))
         )
         self.codec = RoutingCodec(config.num_experts, config.topk, config.routing_codec)
-        self.weight_sync = WeightSync(self.workers, config.sync, hf_config)
+        self.weight_sync = WeightSync(
+            self.workers, config.sync, hf_config, min_servers=config.min_servers
+        )
         self._threads = ThreadPoolExecutor(max_workers=config.max_in_flight)
         self._version = 0
         self.last_sync: SyncReport | None = None
@@ -213,6 +225,13 @@ class SGLangEngine:
             layer_pattern=self.config.layer_pattern,
         )
 
+    def membership_metrics(self) -> dict[str, float]:
+        """``rollout/servers_up`` (pool members) and ``rollout/servers_dropped`` (drops so far)."""
+        return {
+            "rollout/servers_up": float(len(self.workers.members())),
+            "rollout/servers_dropped": float(self.weight_sync.dropped_total),
+        }
+
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
     ) -> None:
@@ -221,8 +240,8 @@ class SGLangEngine:
         self._version = version
 
     def flush_cache(self) -> None:
-        """``/flush_cache`` on every worker, each waiting for idle (`HttpPool.flush_cache`)."""
-        for url in self.config.http.urls:
+        """``/flush_cache`` on each member worker, waiting for idle (`HttpPool.flush_cache`)."""
+        for url in self.workers.members():
             self.workers.flush_cache(url)
 
     def abort_all(self) -> None:
@@ -236,7 +255,7 @@ class SGLangEngine:
             self._abort({"rid": rid})
 
     def _abort(self, payload: dict) -> None:
-        for url in self.config.http.urls:
+        for url in self.workers.members():
             try:
                 self.workers.call_on(
                     url,
@@ -249,9 +268,10 @@ class SGLangEngine:
                 logger.warning("abort_request %s on %s failed: %s", payload, url, err)
 
     def health(self) -> EngineHealth:
-        """Healthy when at least one worker answers /health, all healthy ones agree on the
-        weight version, and the router (if any) answers /health."""
-        up = self.workers.probe_all()
+        """Healthy when at least one member worker answers /health, all healthy ones agree on
+        the weight version, and the router (if any) answers /health (dropped workers are not
+        asked)."""
+        up = self.workers.probe_all(self.workers.members())
         router_up = self.config.router_url is None or bool(self.pool.probe_all())
         router = "" if self.config.router_url is None else f"; router up: {router_up}"
         if not up:
@@ -268,7 +288,9 @@ class SGLangEngine:
             for u in up
         }
         agree = len(set(versions.values())) == 1
+        dropped = self.workers.dropped()
         detail = f"{len(up)}/{len(self.config.http.urls)} servers up; versions {versions}{router}"
+        detail += f"; dropped {sorted(dropped)}" if dropped else ""
         return EngineHealth(
             healthy=agree and router_up, weight_version=next(iter(versions.values())), detail=detail
         )

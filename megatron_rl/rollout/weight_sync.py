@@ -15,6 +15,12 @@ drop the tensors):
    ``weight_version`` (``/get_model_info``) must equal it, and optionally per-tensor checksums;
 4. ``/continue_generation``, whatever happened.
 
+Server membership (see `WeightSync`): a server that dies or fails any step leaves the sync and
+is dropped from the pool; the others go on. A dropped server that is healthy again takes part
+in the next sync and rejoins the pool only once it has it all. ``distributed``: the group is
+destroyed at once and rebuilt without the failed member, within ``failure_timeout_s``.
+`WeightSyncError` only when fewer than ``min_servers`` servers are left.
+
 A failure raises `WeightSyncError` before step 3 moves the version, so servers keep reporting
 the old version. Caveat on real SGLang: buckets already loaded stay loaded, so the weights are
 a mix until a retried sync succeeds; the trainer must not generate from a server whose sync
@@ -42,7 +48,6 @@ import torch
 from megatron_rl.rollout.hf_weights import checksums
 from megatron_rl.rollout.http_pool import ServerError
 from megatron_rl.rollout.weight_group import (
-    broadcast_tensor,
     destroy_weight_group,
     dtype_name,
     init_weight_group,
@@ -69,6 +74,8 @@ class WeightSyncConfig:
     base64, what the CPU loopback server takes). ``master_port = 0`` picks a free port.
     ``checksum``: per-tensor checksums read back over ``/weights_checksum``, which only the
     loopback server has (SGLang answers 404; the sync then fails with a WeightSyncError).
+    ``failure_timeout_s``: how long control calls (pause, version, destroy) and a failing
+    group's members may take before the server is given up on (no 120 s hang on a dead member).
     ``group_name``: prefix of the weight-update group's name; every group creation gets its own
     name (`unique_group_name`), so a restarted trainer never collides with a group that a crashed
     run left on the servers.
@@ -86,6 +93,7 @@ class WeightSyncConfig:
     checksum: bool = False
     checksum_rtol: float = 1e-6
     group_timeout_s: float = 300.0
+    failure_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -104,6 +112,10 @@ class WeightSyncConfig:
                 f"WeightSyncConfig.tensor_serializer={self.tensor_serializer!r}: choose one of "
                 f"{SERIALIZERS}"
             )
+        if not self.failure_timeout_s > 0:
+            raise ValueError(
+                f"WeightSyncConfig.failure_timeout_s={self.failure_timeout_s!r}: must be > 0"
+            )
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"WeightSyncConfig.backend={self.backend!r}: 'gloo' or 'nccl'")
 
@@ -116,6 +128,9 @@ class SyncReport:
     num_buckets: int = 0
     seconds: float = 0.0
     checksums_compared: int = 0
+    servers_up: int = 0  # pool members after the sync
+    servers_dropped: int = 0  # servers dropped by syncs so far
+    servers_rejoined: int = 0  # dropped servers admitted again after a full sync so far
 
     @property
     def mb_per_s(self) -> float:
@@ -140,41 +155,77 @@ def iter_buckets(
 
 
 class WeightSync:
-    """Trainer side of weight sync to the servers behind ``pool`` (an `HttpPool`)."""
+    """Trainer side of weight sync to the servers behind ``pool`` (an `HttpPool`).
 
-    def __init__(self, pool, config: WeightSyncConfig, hf_config=None) -> None:
+    Membership: every sync goes to the pool's members plus the dropped servers that answer
+    ``/health`` again. A server that fails any step (dead, HTTP error, wrong version, checksum)
+    leaves this sync and, once the sync succeeded on the others, is dropped from the pool
+    (`HttpPool.drop`: no generation, no later sync until it is healthy again); a dropped server
+    that received the whole sync is admitted back (`HttpPool.admit`), so it never serves stale
+    weights. The sync fails with `WeightSyncError` only when fewer than ``min_servers`` servers
+    are left in it (or on a failure of the trainer's own side); membership then stays as it was.
+    """
+
+    def __init__(self, pool, config: WeightSyncConfig, hf_config=None, *, min_servers: int = 1):
+        if not isinstance(min_servers, int) or min_servers < 1:
+            raise ValueError(f"min_servers={min_servers!r}: must be an int >= 1")
         self.pool = pool
         self.config = config
         self.hf_config = hf_config
+        self.min_servers = min_servers
         self.group = None
         self.group_name: str | None = None  # the live group's unique name
+        self._group_urls: tuple[str, ...] = ()  # the servers in the live group, in rank order
         self._run_id = uuid.uuid4().hex[:12]
-        self._threads = ThreadPoolExecutor(max_workers=max(1, len(pool.config.urls)))
+        self._threads = ThreadPoolExecutor(max_workers=max(1, 2 * len(pool.config.urls)))
+        self._live: list[str] = list(pool.members())  # the servers in the sync under way
+        self._failed: dict[str, str] = {}  # url -> why, in the sync under way
+        self._version = 0
+        self.dropped_total = 0  # servers dropped by syncs so far (a metric)
+        self.rejoined_total = 0  # dropped servers admitted again after a full sync
 
     @property
     def urls(self) -> tuple[str, ...]:
-        return self.pool.config.urls
+        """The servers taking part in the current (or last) sync."""
+        return tuple(self._live)
 
-    def _on_all(self, path: str, payloads) -> list:
-        """POST ``payloads[i]`` (or one payload) to every server concurrently; checked answers."""
+    def _fail(self, url: str, why: str) -> None:
+        if url in self._live:
+            self._live.remove(url)
+        self._failed.setdefault(url, why)
+        logger.warning("weight sync v%s: %s leaves the sync: %s", self._version, url, why)
+
+    def _require(self) -> None:
+        if len(self._live) >= self.min_servers:
+            return
+        reasons = "; ".join(f"{u}: {why}" for u, why in self._failed.items())
+        raise WeightSyncError(
+            f"weight sync to version {self._version} over {self.config.transport!r} failed: "
+            f"{len(self._live)} of {len(self.pool.config.urls)} servers left, fewer than "
+            f"min_servers={self.min_servers}" + (f" ({reasons})" if reasons else "")
+        )
+
+    def _phase(self, path: str, payloads, what: str, *, timeout_s: float | None = None) -> None:
+        """POST ``payloads[i]`` (or one payload) to every live server at once; a server that
+        fails leaves the sync; WeightSyncError when too few are left."""
+        urls = list(self._live)
         if isinstance(payloads, dict):
-            payloads = [payloads] * len(self.urls)
+            payloads = [payloads] * len(urls)
         futures = [
-            self._threads.submit(self.pool.call_on, url, "POST", path, payload)
-            for url, payload in zip(self.urls, payloads, strict=True)
+            self._threads.submit(self.pool.call_on, url, "POST", path, payload, timeout_s=timeout_s)
+            for url, payload in zip(urls, payloads, strict=True)
         ]
-        return futures
-
-    def _check(self, futures, what: str) -> None:
-        for url, future in zip(self.urls, futures, strict=True):
-            answer = future.result()
-            if isinstance(answer, dict) and answer.get("success") is False:
-                raise WeightSyncError(f"{what} failed on {url}: {answer.get('message')}")
+        wait(futures)
+        for url, future in zip(urls, futures, strict=True):
+            why = _failure(future)
+            if why is not None:
+                self._fail(url, f"{what}: {why}")
+        self._require()
 
     def versions(self) -> dict[str, object]:
         return {
             u: (self.pool.call_on(u, "GET", "/get_model_info", None) or {}).get("weight_version")
-            for u in self.urls
+            for u in self.pool.members()
         }
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
@@ -182,15 +233,26 @@ class WeightSync:
         start = time.perf_counter()
         sums: dict[str, float] = {}
         stream = self._account(named_tensors, report, sums if self.config.checksum else None)
-        self._check(self._on_all("/pause_generation", {}), "pause_generation")
+        members = self.pool.members()
+        dropped = list(self.pool.dropped())
+        rejoining = self.pool.probe_all(dropped) if dropped else []  # healthy again: full sync
+        self._version = version
+        self._live = [u for u in self.pool.config.urls if u in members or u in rejoining]
+        self._failed = {}
+        paused = list(self._live)
+        control = self.config.failure_timeout_s
         try:
+            self._require()
+            self._phase("/pause_generation", {}, "pause_generation", timeout_s=control)
             # waits for idle and retries SGLang's 400 (`HttpPool.flush_cache`)
-            self._check([self._threads.submit(self.pool.flush_cache, u) for u in self.urls], "")
+            self._each(self.pool.flush_cache, "flush_cache")
             push = {"distributed": self._distributed, "tensor": self._tensor, "disk": self._disk}
             push[self.config.transport](stream, report, version)
-            self._check(
-                self._on_all("/update_weight_version", {"new_version": str(version)}),
+            self._phase(
+                "/update_weight_version",
+                {"new_version": str(version)},
                 "update_weight_version",
+                timeout_s=control,
             )
             self._verify(version, sums, report)
         except WeightSyncError:
@@ -201,21 +263,49 @@ class WeightSync:
                 f"{type(err).__name__}: {err}"
             ) from err
         finally:
-            for url, future in zip(
-                self.urls, self._on_all("/continue_generation", {}), strict=True
-            ):
-                if future.exception() is not None:
-                    logger.error("continue_generation failed on %s: %s", url, future.exception())
+            futures = [
+                self._threads.submit(
+                    self.pool.call_on, u, "POST", "/continue_generation", {}, timeout_s=control
+                )
+                for u in paused
+            ]
+            wait(futures, timeout=control + self.pool.config.connect_timeout_s)
+            for url, future in zip(paused, futures, strict=True):
+                why = _failure(future) if future.done() else "no answer"
+                if why is not None and url not in self._failed:
+                    logger.error("continue_generation failed on %s: %s", url, why)
+        for url, why in self._failed.items():
+            if url in members and self.pool.drop(url, f"weight sync v{version}: {why}"):
+                self.dropped_total += 1
+        for url in rejoining:
+            if url in self._live and self.pool.admit(url):
+                self.rejoined_total += 1
+        report.servers_up = len(self.pool.members())
+        report.servers_dropped = self.dropped_total
+        report.servers_rejoined = self.rejoined_total
         report.seconds = time.perf_counter() - start
         logger.info(
-            "weight sync v%d: %d tensors, %.1f MB, %d buckets, %.1f MB/s",
+            "weight sync v%d: %d tensors, %.1f MB, %d buckets, %.1f MB/s, %d/%d servers",
             version,
             report.num_tensors,
             report.num_bytes / 1e6,
             report.num_buckets,
             report.mb_per_s,
+            report.servers_up,
+            len(self.pool.config.urls),
         )
         return report
+
+    def _each(self, fn, what: str) -> None:
+        """``fn(url)`` on every live server at once; failures leave the sync."""
+        urls = list(self._live)
+        futures = [self._threads.submit(fn, u) for u in urls]
+        wait(futures)
+        for url, future in zip(urls, futures, strict=True):
+            why = _failure(future)
+            if why is not None:
+                self._fail(url, f"{what}: {why}")
+        self._require()
 
     def _account(self, named_tensors, report: SyncReport, sums: dict | None):
         for name, tensor in named_tensors:
@@ -226,18 +316,27 @@ class WeightSync:
             yield name, tensor
 
     def _verify(self, version: int, sums: dict[str, float], report: SyncReport) -> None:
-        versions = self.versions()
-        bad = {u: v for u, v in versions.items() if str(v) != str(version)}
-        if bad:
-            raise WeightSyncError(f"after sync to version {version} servers report {bad}")
+        for url in list(self._live):
+            try:
+                info = self.pool.call_on(
+                    url, "GET", "/get_model_info", None, timeout_s=self.config.failure_timeout_s
+                )
+            except RuntimeError as err:
+                self._fail(url, f"get_model_info: {err}")
+                continue
+            got = (info or {}).get("weight_version")
+            if str(got) != str(version):
+                self._fail(url, f"after sync to version {version} the server reports {got!r}")
+        self._require()
         if not sums:
             return
-        for url in self.urls:
+        for url in list(self._live):
             try:
                 got = self.pool.call_on(url, "POST", "/weights_checksum", {"names": list(sums)})
             except ServerError as err:
                 if "HTTP 404" not in str(err):
-                    raise
+                    self._fail(url, f"weights_checksum: {err}")
+                    continue
                 raise WeightSyncError(
                     f"WeightSyncConfig.checksum=True, but {url} has no /weights_checksum: only the "
                     "loopback server serves it. SGLang has no checksum endpoint (its "
@@ -245,48 +344,113 @@ class WeightSync:
                     "SGLang's own names and is not implemented for Qwen3-MoE); set checksum=False "
                     "and rely on the weight_version check"
                 ) from err
+            except RuntimeError as err:
+                self._fail(url, f"weights_checksum: {err}")
+                continue
             for name, want in sums.items():
                 if abs(got[name] - want) > self.config.checksum_rtol * max(1.0, abs(want)):
-                    raise WeightSyncError(
-                        f"checksum of {name!r} on {url} is {got[name]!r}, trainer sent {want!r}"
+                    self._fail(
+                        url,
+                        f"checksum of {name!r} on {url} is {got[name]!r}, trainer sent {want!r}",
                     )
+                    break
                 report.checksums_compared += 1
+        self._require()
 
     # ------------------------------------------------------------------ transports
     def _distributed(self, stream, report: SyncReport, version: int) -> None:
+        """Per bucket: announce it to every live server and broadcast it over the group.
+
+        When a member fails (its call fails or the broadcast breaks), the group is destroyed at
+        once (which also frees the members stuck in the broadcast), the failed members leave
+        the sync, and the same bucket is sent again over a group rebuilt from the survivors
+        (buckets already loaded stay loaded; loading is idempotent).
+        """
         del version
         cfg = self.config
-        if self.group is None:
-            self._init_group()
         device = "cuda" if cfg.backend == "nccl" else "cpu"
         try:
             for bucket in iter_buckets(stream, cfg.bucket_bytes):
                 report.num_buckets += 1
-                payload = {
-                    "names": [n for n, _ in bucket],
-                    "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
-                    "group_name": self.group_name,
-                    "flush_cache": False,
-                }
-                futures = self._on_all("/update_weights_from_distributed", payload)
-                for _, tensor in bucket:
-                    broadcast_tensor(self.group, tensor.detach().to(device).contiguous())
-                self._check(futures, "update_weights_from_distributed")
+                for _ in range(len(self.pool.config.urls) + 1):
+                    self._require()
+                    if self.group is None or self._group_urls != tuple(self._live):
+                        self._destroy_group()
+                        self._init_group()
+                    if self._send_bucket(bucket, device):
+                        break
+                else:  # pragma: no cover - every retry drops at least one server
+                    raise WeightSyncError("a bucket failed on every rebuilt weight group")
         except BaseException:
             # Ranks may be mid-broadcast: the group cannot be trusted any more. The next sync
             # builds a fresh one under a new name.
             self._destroy_group()
             raise
 
-    def _init_group(self) -> None:
-        """Create a group under a fresh name: servers join as ranks ``1..``, this side is 0.
+    def _send_bucket(self, bucket, device: str) -> bool:
+        """One bucket over the current group; False (group destroyed, failures out) on error."""
+        urls = list(self._group_urls)
+        payload = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            "flush_cache": False,
+        }
+        path = "/update_weights_from_distributed"
+        futures = [self._threads.submit(self.pool.call_on, u, "POST", path, payload) for u in urls]
+        broken = None
+        try:
+            for _, tensor in bucket:
+                self._broadcast(tensor.detach().to(device).contiguous(), urls, futures)
+        except Exception as err:  # a member left mid-broadcast (gloo: "closed by peer")
+            broken = err
+        if broken is None:
+            wait(futures)
+            failed = {u: why for u, f in zip(urls, futures, strict=True) if (why := _failure(f))}
+            if not failed:
+                return True
+            for url, why in failed.items():
+                self._fail(url, f"update_weights_from_distributed: {why}")
+            self._destroy_group()
+            return False
+        logger.warning("weight-group broadcast failed (%s); rebuilding the group", broken)
+        early = {u: _failure(f) for u, f in zip(urls, futures, strict=True) if f.done()}
+        self._destroy_group()  # frees the members still waiting in the broadcast
+        wait(futures, timeout=self.config.failure_timeout_s)
+        healthy = set(self.pool.probe_all(urls))
+        for url in urls:
+            if url not in healthy:
+                self._fail(url, f"broadcast failed ({broken}) and /health fails")
+            elif early.get(url):
+                self._fail(url, f"update_weights_from_distributed: {early[url]}")
+        if set(urls) <= set(self._live):
+            raise WeightSyncError(
+                f"weight-group broadcast failed but every member is healthy: {broken}"
+            ) from broken
+        return False
 
-        On any failure both sides' halves are destroyed before the error propagates.
-        """
+    def _broadcast(self, tensor: torch.Tensor, urls, futures) -> None:
+        """`broadcast_tensor`, but given up as soon as a member's call has failed (that member
+        will never receive, and the broadcast would wait for it until the group timeout)."""
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        work = self.group.broadcast([tensor], options)
+        while not work.is_completed():
+            for url, future in zip(urls, futures, strict=True):
+                if future.done() and (why := _failure(future)) is not None:
+                    raise RuntimeError(f"{url} failed during the broadcast: {why}")
+            time.sleep(0.002)
+        work.wait()
+
+    def _init_group(self) -> None:
+        """Create a group under a fresh name over the live servers: they join as ranks ``1..``,
+        this side is 0. On any failure both sides' halves are destroyed before the error
+        propagates."""
         cfg = self.config
+        urls = tuple(self._live)
         port = cfg.master_port or _free_port(cfg.master_address)
-        world = 1 + cfg.engine_ranks * len(self.urls)
+        world = 1 + cfg.engine_ranks * len(urls)
         name = unique_group_name(cfg.group_name, self._run_id)
         payloads = [
             {
@@ -297,10 +461,14 @@ class WeightSync:
                 "group_name": name,
                 "backend": cfg.backend,
             }
-            for i in range(len(self.urls))
+            for i in range(len(urls))
         ]
-        self.group_name = name
-        futures = self._on_all("/init_weights_update_group", payloads)
+        self.group_name, self._group_urls = name, urls
+        path = "/init_weights_update_group"
+        futures = [
+            self._threads.submit(self.pool.call_on, u, "POST", path, p)
+            for u, p in zip(urls, payloads, strict=True)
+        ]
         try:
             self.group = init_weight_group(
                 backend=cfg.backend,
@@ -311,7 +479,11 @@ class WeightSync:
                 group_name=name,
                 timeout_s=cfg.group_timeout_s,
             )
-            self._check(futures, "init_weights_update_group")
+            wait(futures)
+            for url, future in zip(urls, futures, strict=True):
+                why = _failure(future)
+                if why is not None:
+                    raise WeightSyncError(f"init_weights_update_group failed on {url}: {why}")
         except BaseException:
             # Let the servers finish joining (briefly) so the destroy finds their halves.
             concurrent.futures.wait(futures, timeout=min(30.0, cfg.group_timeout_s))
@@ -320,20 +492,27 @@ class WeightSync:
         logger.info("weight-update group %r: %d ranks over %s", name, world, cfg.backend)
 
     def _destroy_group(self) -> None:
-        """Destroy the current group on every server and here; failures are only logged."""
-        name, group = self.group_name, self.group
-        self.group, self.group_name = None, None
+        """Destroy the current group on its servers and here, waiting at most
+        ``failure_timeout_s`` for them; failures are only logged."""
+        name, group, urls = self.group_name, self.group, self._group_urls
+        self.group, self.group_name, self._group_urls = None, None, ()
         if name is None:
             return
-        futures = self._on_all("/destroy_weights_update_group", {"group_name": name})
+        timeout = self.config.failure_timeout_s
+        path = "/destroy_weights_update_group"
+        futures = [
+            self._threads.submit(
+                self.pool.call_on, u, "POST", path, {"group_name": name}, timeout_s=timeout
+            )
+            for u in urls
+        ]
+        # the servers' halves first: that ends a broadcast still pending here
+        wait(futures, timeout=timeout + self.pool.config.connect_timeout_s)
         destroy_weight_group(group)
-        for url, future in zip(self.urls, futures, strict=True):
-            error = future.exception()
-            answer = None if error is not None else future.result()
-            if error is not None or (isinstance(answer, dict) and not answer.get("success")):
-                logger.warning(
-                    "destroy_weights_update_group %r on %s: %s", name, url, error or answer
-                )
+        for url, future in zip(urls, futures, strict=True):
+            why = _failure(future) if future.done() else f"no answer within {timeout} s"
+            if why is not None:
+                logger.warning("destroy_weights_update_group %r on %s: %s", name, url, why)
 
     def _tensor(self, stream, report: SyncReport, version: int) -> None:
         """``/update_weights_from_tensor`` per bucket, the way SGLang's own producer does it.
@@ -355,17 +534,16 @@ class WeightSync:
             named = _tensors_to_send(bucket, cfg.tensor_serializer)
             if cfg.tensor_serializer == "sglang":
                 serialize = _sglang_serialize()
-                entries = [[serialize(named) for _ in range(cfg.engine_ranks)] for _ in self.urls]
+                entries = [[serialize(named) for _ in range(cfg.engine_ranks)] for _ in self._live]
             else:
                 blob = _torch_b64(named)
-                entries = [[blob] * cfg.engine_ranks for _ in self.urls]
+                entries = [[blob] * cfg.engine_ranks for _ in self._live]
             payloads = [
                 {"serialized_named_tensors": ranks, "load_format": None, "flush_cache": False}
                 for ranks in entries
             ]
-            futures = self._on_all("/update_weights_from_tensor", payloads)
-            wait(futures)  # every server done reading before a failure lets `named` go
-            self._check(futures, "update_weights_from_tensor")
+            # waits for every server to finish reading before a failure lets `named` go
+            self._phase("/update_weights_from_tensor", payloads, "update_weights_from_tensor")
             del named, entries, payloads
 
     def _disk(self, stream, report: SyncReport, version: int) -> None:
@@ -384,11 +562,22 @@ class WeightSync:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         payload = {"model_path": final, "load_format": "auto"}
-        self._check(self._on_all("/update_weights_from_disk", payload), "update_weights_from_disk")
+        self._phase("/update_weights_from_disk", payload, "update_weights_from_disk")
 
     def close(self) -> None:
         self._destroy_group()
         self._threads.shutdown(wait=False)
+
+
+def _failure(future) -> str | None:
+    """Why a finished control call failed (its error, or ``success: false``), else None."""
+    error = future.exception()
+    if error is not None:
+        return f"{type(error).__name__}: {error}"
+    answer = future.result()
+    if isinstance(answer, dict) and answer.get("success") is False:
+        return f"success=false: {answer.get('message')}"
+    return None
 
 
 def _tensors_to_send(bucket: list[tuple[str, torch.Tensor]], serializer: str) -> list:

@@ -80,6 +80,7 @@ class TrainConfig:
     rollout_engine: str = "local"
     sglang_url: tuple[str, ...] = ()
     sglang_router_url: str | None = None  # generation through sglang-router; control: workers
+    sglang_min_servers: int = 1  # fewer live SGLang servers than this stops the run
     sglang_return_routed_experts: bool = False
     weight_sync_transport: str = "distributed"
     sglang_engine_ranks: int = 1  # GPUs (TP ranks) of each SGLang server, for weight sync
@@ -150,6 +151,7 @@ class TrainConfig:
             "max_response_length",
             "max_bad_steps",
             "sglang_engine_ranks",
+            "sglang_min_servers",
         )
         for name in positive:
             value = getattr(self, name)
@@ -329,6 +331,7 @@ class TrainConfig:
             sglang_engine_ranks=self.sglang_engine_ranks,
             sglang_request_timeout=self.sglang_request_timeout,
             sglang_router_url=self.sglang_router_url,
+            sglang_min_servers=self.sglang_min_servers,
         )
 
     def logger_config(self):
@@ -468,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="an SGLang worker (repeat for each); control calls and weight sync go to each",
     )
     add(g, "sglang-router-url", type=str, help="sglang-router: generation goes through it")
+    add(
+        g,
+        "sglang-min-servers",
+        help="a dead server is dropped and rejoins after a full weight sync; the run stops only "
+        "when fewer than this many are left",
+    )
     add(g, "sglang-return-routed-experts", action="store_true")
     add(g, "weight-sync-transport", choices=("distributed", "tensor", "disk"))
     add(g, "sglang-engine-ranks", help="TP ranks of each SGLang server (weight-sync group)")

@@ -24,6 +24,7 @@ class EngineConfig:
     sglang_engine_ranks: int = 1  # GPUs (TP ranks) of each SGLang server
     sglang_request_timeout: float | None = None  # read timeout of one request; None: none
     sglang_router_url: str | None = None  # generation through sglang-router (workers: control)
+    sglang_min_servers: int = 1  # fewer live servers than this stops the run
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -67,5 +68,6 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
         routing_codec=config.routing_dtype,
         sync=sync,
         router_url=config.sglang_router_url,
+        min_servers=config.sglang_min_servers,
     )
     return SGLangEngine(engine_config)

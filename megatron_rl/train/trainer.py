@@ -118,6 +118,7 @@ class Trainer:
         t = time.perf_counter()
         self.sync_weights(version=self.weight_version + 1)
         metrics["time/sync"] = time.perf_counter() - t
+        metrics.update(self.sync_metrics)
         metrics.update(self.replay.metrics())
         self.replay.end_step()
         metrics["time/step"] = time.perf_counter() - start
@@ -294,6 +295,14 @@ class Trainer:
             for _ in stream:  # the gathers are collectives: take part, drop the tensors
                 pass
         self.weight_version = version
+        # SGLang server membership (dead servers are dropped, the run goes on): rank 0's
+        # numbers on every rank, so every rank reports the same metric keys
+        self.sync_metrics: dict[str, float] = {}
+        if self.config.rollout_engine == "sglang":
+            payload = [getattr(self.engine, "membership_metrics", dict)() if pushes else None]
+            if dist.get_world_size() > 1:
+                dist.broadcast_object_list(payload, src=0)
+            self.sync_metrics = dict(payload[0] or {})
 
     def state_dict(self) -> dict:
         return {

@@ -19,6 +19,7 @@ from sglang_source import dataclass_fields, sglang_path
 
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout import weight_sync
+from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig
 from megatron_rl.rollout.sglang_payload import decode_generate, generate_request
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
@@ -65,15 +66,16 @@ def test_generate_request_fields_are_sglang_fields():
 
 
 # ---------------------------------------------------------------------------- weight updates
-class _RecordingPool:
-    """Stands in for `HttpPool`: records every control call, answers success."""
+class _RecordingPool(HttpPool):
+    """The real `HttpPool` (membership included) whose control calls are recorded and answered
+    with success instead of going over HTTP."""
 
     def __init__(self, urls, on_call=None):
-        self.config = type("C", (), {"urls": tuple(urls)})()
+        super().__init__(HttpPoolConfig(urls=tuple(urls)))
         self.calls: list[tuple[str, str, object]] = []
         self.on_call = on_call
 
-    def call_on(self, url, method, path, payload):
+    def call_on(self, url, method, path, payload, *, timeout_s=None):
         self.calls.append((url, path, payload))
         if self.on_call is not None:
             self.on_call(url, path, payload)
@@ -83,6 +85,9 @@ class _RecordingPool:
 
     def flush_cache(self, url, timeout_s=None):
         self.calls.append((url, "/flush_cache", None))
+
+    def probe_all(self, urls=None):
+        return list(self.config.urls if urls is None else urls)
 
 
 REQUEST_CLASS = {
@@ -96,9 +101,10 @@ REQUEST_CLASS = {
 def _sync(pool, monkeypatch, **config):
     sync = WeightSync(pool, WeightSyncConfig(bucket_bytes=64, **config))
     pool.version = "7"
-    if config.get("transport") == "distributed":
-        sync.group = object()  # group creation is another test's concern
-        monkeypatch.setattr(weight_sync, "broadcast_tensor", lambda group, tensor: None)
+    if config.get("transport") == "distributed":  # group creation is another test's concern
+        sync.group, sync.group_name = object(), "group"
+        sync._group_urls = tuple(pool.members())
+        monkeypatch.setattr(WeightSync, "_broadcast", lambda self, tensor, urls, futures: None)
     tensors = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(3)]
     sync.sync(iter(tensors), 7)
     return sync
@@ -115,7 +121,7 @@ def _sync(pool, monkeypatch, **config):
 def test_weight_update_bodies_are_sglang_request_fields(config, monkeypatch, tmp_path):
     if config["transport"] == "disk":
         config = {**config, "disk_dir": str(tmp_path)}
-    pool = _RecordingPool(["http://a", "http://b"])
+    pool = _RecordingPool(["http://a:1", "http://b:2"])
     _sync(pool, monkeypatch, **config).close()
     checked = 0
     for _, path, payload in pool.calls:
@@ -143,7 +149,7 @@ def test_tensor_transport_serialises_one_entry_per_rank_and_keeps_tensors_alive(
         if path == "/update_weights_from_tensor":
             alive_during_call.append(all(t.numel() for named in serialized for _, t in named))
 
-    pool = _RecordingPool(["http://a", "http://b"], on_call)
+    pool = _RecordingPool(["http://a:1", "http://b:2"], on_call)
     _sync(pool, monkeypatch, transport="tensor", tensor_serializer="sglang", engine_ranks=2)
     bodies = [p for _, path, p in pool.calls if path == "/update_weights_from_tensor"]
     assert len(bodies) == 3 * 2  # 3 buckets (64-byte buckets of 64-byte tensors) x 2 servers
