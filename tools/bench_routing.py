@@ -15,8 +15,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
+
+# Before torch is imported: OpenMP reads OMP_NUM_THREADS once, when torch loads it. Every
+# process of this bench (and the gloo ranks it spawns, which inherit the environment) uses 1.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
 import resource
 import statistics
 import tempfile
@@ -227,5 +232,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -46,6 +46,7 @@ class TrainConfig:
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     device: str = "auto"
+    torch_threads: int | None = None  # intra-op threads; None: OMP_NUM_THREADS or auto
     bf16: bool = False
     recompute_granularity: str | None = None
     transformer_impl: str = "auto"  # auto: Transformer Engine on CUDA, local on CPU
@@ -159,6 +160,8 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)}={value!r}: must be an integer >= 1")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"--max-prompt-length={self.max_prompt_length}: must be >= 1")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"--torch-threads={self.torch_threads}: must be >= 1")
         if self.sglang_request_timeout is not None and not self.sglang_request_timeout > 0:
             raise ValueError(
                 f"--sglang-request-timeout={self.sglang_request_timeout}: must be > 0 (or none)"
@@ -422,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "sequence-parallel", action="store_true")
     add(g, "device", choices=("auto", "cpu", "cuda"))
     add(g, "bf16", action="store_true")
+    add(
+        g,
+        "torch-threads",
+        type=int,
+        help="torch intra-op threads per process (default: OMP_NUM_THREADS, else (cores - 1) / "
+        "local ranks, at least 1)",
+    )
     add(g, "recompute-granularity", type=str, choices=("full",))
     add(
         g,

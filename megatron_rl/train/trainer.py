@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from megatron_rl.model import build_model
 from megatron_rl.model.conversion import iter_hf_tensors
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
+from megatron_rl.threads import configure_threads
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.engines import build_engine
@@ -49,6 +51,8 @@ class Trainer:
         parallel = config.parallel_config()
         world = world_size if world_size is not None else _env_world_size()
         self.dp = config.data_parallel_size(world)  # validates before anything is built
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)  # ranks sharing this machine
+        self.num_threads = configure_threads(config.torch_threads, local_processes=local)
         self.device = init_distributed(
             parallel, rank=rank, world_size=world, init_method=init_method, device=config.device
         )
@@ -329,8 +333,6 @@ class Trainer:
 
 
 def _env_world_size() -> int:
-    import os
-
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
