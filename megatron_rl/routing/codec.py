@@ -63,6 +63,13 @@ class RoutingCodec:
                 f"num_experts={num_experts} needs {num_experts - 1}; use 'auto' or a wider dtype"
             )
         self.num_experts, self.topk, self.codec = num_experts, topk, dtype
+        # narrowest dtype holding every expert id: validation/sorting works on it
+        self._narrow = next(
+            d
+            for d in (torch.uint8, torch.int16, torch.int32, torch.int64)
+            if _max_value(d) >= num_experts - 1
+        )
+        self._tables: dict[str, list[torch.Tensor]] = {}
         self.bits = (
             max(1, math.ceil(math.log2(math.comb(num_experts, topk)))) if dtype == "packed" else 0
         )
@@ -90,12 +97,14 @@ class RoutingCodec:
     # ---------------------------------------------------------------- encode / decode
     def encode(self, routes_TLK: torch.Tensor) -> RoutingBlob:
         """Validate and encode an integer ``[tokens, moe_layers, topk]`` tensor."""
-        self.validate(routes_TLK)
+        narrow, columns = self._check(routes_TLK)
         num_tokens, num_layers, _ = routes_TLK.shape
         if self.codec != "packed":
-            data = routes_TLK.to(DTYPES[self.codec]).contiguous()
+            dtype = DTYPES[self.codec]
+            data = narrow if narrow is not None and narrow.dtype == dtype else routes_TLK
+            data = data.to(dtype).contiguous()
         else:
-            data = self._pack(routes_TLK.reshape(-1, self.topk))
+            data = self._pack(columns, num_tokens * num_layers)
         return RoutingBlob(data, self.codec, num_tokens, num_layers)
 
     def decode(self, blob: RoutingBlob, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -114,6 +123,20 @@ class RoutingCodec:
 
     def validate(self, routes_TLK: torch.Tensor) -> None:
         """``ValueError`` naming the first bad position: rank, top-k, range, repeats."""
+        self._check(routes_TLK)
+
+    # ---------------------------------------------------------------- validation internals
+    def _check(
+        self, routes_TLK: torch.Tensor
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor] | None]:
+        """Validate; return the routes cast to the narrowest dtype holding ``E - 1`` and their
+        ascending columns ``[K] x [T*L]`` in it (both None when empty).
+
+        No full sort: the range check is one min/max pass, the duplicate check runs a fixed
+        sorting network over the K columns (``O(K log^2 K)`` elementwise min/max on
+        contiguous narrow-dtype columns) and compares neighbours. The network's output is
+        exactly what the packed rank needs, so packing sorts once.
+        """
         if not isinstance(routes_TLK, torch.Tensor) or routes_TLK.is_floating_point():
             raise ValueError("routes must be an integer torch.Tensor [tokens, moe_layers, topk]")
         if routes_TLK.dim() != 3 or routes_TLK.shape[-1] != self.topk:
@@ -121,6 +144,30 @@ class RoutingCodec:
                 f"routes must be [tokens, moe_layers, topk={self.topk}], got shape "
                 f"{tuple(routes_TLK.shape)}"
             )
+        if routes_TLK.numel() == 0:
+            return None, None
+        values = routes_TLK.to(torch.uint8) if routes_TLK.dtype == torch.bool else routes_TLK
+        low, high = torch.aminmax(values)
+        if int(low) < 0 or int(high) >= self.num_experts:
+            self._raise_first_error(routes_TLK)
+        narrow = values.to(self._narrow)
+        if self.topk == 1:
+            return narrow, [narrow.reshape(-1)]
+        columns = list(narrow.reshape(-1, self.topk).t().contiguous().unbind(0))
+        for i, j in _sorting_network(self.topk):
+            columns[i], columns[j] = (
+                torch.minimum(columns[i], columns[j]),
+                torch.maximum(columns[i], columns[j]),
+            )
+        repeated = columns[0] == columns[1]
+        for k in range(1, self.topk - 1):
+            repeated |= columns[k] == columns[k + 1]
+        if bool(repeated.any()):
+            self._raise_first_error(routes_TLK)
+        return narrow, columns
+
+    def _raise_first_error(self, routes_TLK: torch.Tensor) -> None:
+        """Slow path (only on bad input): locate and report the first offending position."""
         bad = (routes_TLK < 0) | (routes_TLK >= self.num_experts)
         if bool(bad.any()):
             pos = [int(i) for i in bad.nonzero()[0]]
@@ -128,37 +175,48 @@ class RoutingCodec:
             raise ValueError(
                 f"routes{pos} holds expert {value}, outside [0, num_experts={self.num_experts})"
             )
-        if self.topk > 1:
-            sorted_TLK = routes_TLK.sort(dim=-1).values
-            repeated = (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(dim=-1)
-            if bool(repeated.any()):
-                pos = [int(i) for i in repeated.nonzero()[0]]
-                raise ValueError(
-                    f"routes{pos} repeats an expert within its top-{self.topk} set: "
-                    f"{routes_TLK[tuple(pos)].tolist()}"
-                )
+        sorted_TLK = routes_TLK.sort(dim=-1).values
+        repeated = (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(dim=-1)
+        pos = [int(i) for i in repeated.nonzero()[0]]
+        raise ValueError(
+            f"routes{pos} repeats an expert within its top-{self.topk} set: "
+            f"{routes_TLK[tuple(pos)].tolist()}"
+        )
 
     # ---------------------------------------------------------------- packed internals
-    def _binomials(self, device: torch.device) -> torch.Tensor:
-        """``[E, K + 1]`` int64 table of ``C(n, j)``."""
-        table = [[math.comb(n, j) for j in range(self.topk + 1)] for n in range(self.num_experts)]
-        return torch.tensor(table, dtype=torch.int64, device=device)
+    def _binomials(self, device: torch.device) -> list[torch.Tensor]:
+        """``tables[j]`` = int64 ``C(n, j)`` for ``n in [0, E]`` (saturated at int64 max)."""
+        key = str(device)
+        if key not in self._tables:
+            cap = _max_value(torch.int64)
+            self._tables[key] = [
+                torch.tensor(
+                    [min(math.comb(n, j), cap) for n in range(self.num_experts + 1)],
+                    dtype=torch.int64,
+                    device=device,
+                )
+                for j in range(self.topk + 1)
+            ]
+        return self._tables[key]
 
-    def _pack(self, sets_NK: torch.Tensor) -> torch.Tensor:
-        binom = self._binomials(sets_NK.device)
-        experts = sets_NK.to(torch.int64).sort(dim=-1).values
-        slots = torch.arange(1, self.topk + 1, device=experts.device)
-        ranks_N = binom[experts, slots].sum(dim=-1)
-        num_items = ranks_N.numel()
+    def _pack(self, columns: list[torch.Tensor] | None, num_items: int) -> torch.Tensor:
         num_bytes = (num_items * self.bits + 7) // 8
+        if columns is None:  # no items
+            return torch.zeros(num_bytes, dtype=torch.uint8)
+        device = columns[0].device
+        tables = self._binomials(device)
+        # rank = sum_j C(c_j, j) over the ascending experts c_1 < ... < c_K
+        ranks_N = tables[1].index_select(0, columns[0].long())
+        for j in range(2, self.topk + 1):
+            ranks_N += tables[j].index_select(0, columns[j - 1].long())
         # item i occupies bits [i*b, (i+1)*b) of a little-endian stream of int64 words; its low
         # part goes to word w = i*b // 64 at shift s, its high part (if any) to word w + 1.
         # The parts of different items never overlap, so adding them is a bitwise OR.
-        offset = torch.arange(num_items, device=ranks_N.device, dtype=torch.int64) * self.bits
-        word, shift = offset // 64, offset % 64
-        words = torch.zeros(num_bytes // 8 + 2, dtype=torch.int64, device=ranks_N.device)
+        offset = torch.arange(num_items, device=device, dtype=torch.int64) * self.bits
+        word, shift = offset >> 6, offset & 63
+        words = torch.zeros(num_bytes // 8 + 2, dtype=torch.int64, device=device)
         words.index_add_(0, word, ranks_N << shift)
-        spill = shift + self.bits > 64
+        spill = (shift + self.bits > 64).nonzero().squeeze(1)
         high = ranks_N[spill] >> (64 - shift[spill])
         words.index_add_(0, word[spill] + 1, high)
         return words.view(torch.uint8)[:num_bytes].clone()
@@ -169,24 +227,78 @@ class RoutingCodec:
         padded[: data.numel()] = data
         words = padded.view(torch.int64)
         offset = torch.arange(num_items, device=device, dtype=torch.int64) * self.bits
-        word, shift = offset // 64, offset % 64
-        all_ones = torch.full_like(shift, -1)
-        # logical right shift of a signed word: clear the sign-extended top ``shift`` bits
-        low_mask = torch.where(shift == 0, all_ones, (1 << (64 - shift).clamp(max=63)) - 1)
-        low = (words[word] >> shift) & low_mask
-        high = torch.where(shift == 0, 0, words[word + 1] << (64 - shift).clamp(max=63))
-        ranks_N = (low | high) & ((1 << self.bits) - 1)
+        word, shift = offset >> 6, offset & 63
+        # ``>>`` is arithmetic: the sign-extended top ``shift`` bits land at or above bit
+        # ``64 - shift``; for an item that fits in its word they are above ``bits`` and the mask
+        # drops them, for one that spills into the next word they are replaced by its high part.
+        mask = (1 << self.bits) - 1
+        ranks_N = (words[word] >> shift) & mask
+        spill = (shift + self.bits > 64).nonzero().squeeze(1)
+        if spill.numel():
+            word, shift = word[spill], shift[spill]
+            low = (words[word] >> shift) & ((1 << (64 - shift)) - 1)
+            ranks_N[spill] = low | ((words[word + 1] << (64 - shift)) & mask)
         return self._unrank(ranks_N)
 
     def _unrank(self, ranks_N: torch.Tensor) -> torch.Tensor:
-        binom = self._binomials(ranks_N.device)
-        remaining = ranks_N.clone()
-        experts = torch.empty(ranks_N.numel(), self.topk, dtype=torch.int64, device=ranks_N.device)
-        for j in range(self.topk, 0, -1):
-            column = binom[:, j].contiguous()  # non-decreasing in n
-            c_j = torch.searchsorted(column, remaining, right=True) - 1
-            experts[:, j - 1] = c_j
-            remaining = remaining - column[c_j]
-        if bool((remaining != 0).any()):
+        """Invert the rank greedily, largest expert first: ``c_j = max{n : C(n, j) <= rem}``.
+
+        ``c_j`` starts from the float root ``(j! rem)^(1/j) + (j-1)/2`` (``C(n, j)`` ~
+        ``(n - (j-1)/2)^j / j!``), then exact integer steps down/up against the table fix the
+        (rare, at most one or two) off-by-one estimates.
+        """
+        num_items = ranks_N.numel()
+        tables = self._binomials(ranks_N.device)
+        experts = torch.empty(self.topk, num_items, dtype=torch.int64, device=ranks_N.device)
+        if num_items == 0:
+            return experts.t()
+        if bool((ranks_N >= tables[self.topk][self.num_experts]).any()):
             raise ValueError("packed routing data is corrupt: a rank does not decode to a set")
-        return experts
+        remaining = ranks_N
+        for j in range(self.topk, 1, -1):
+            column = tables[j]
+            root = math.exp(math.lgamma(j + 1) / j)
+            c_j = remaining.double().pow_(1.0 / j).mul_(root).add_((j - 1) / 2).long()
+            c_j.clamp_(j - 1, self.num_experts - 1)
+            while True:  # estimate too high: step down
+                value = column.index_select(0, c_j)
+                over = value > remaining
+                if not bool(over.any()):
+                    break
+                c_j -= over
+            while True:  # estimate too low: step up
+                under = column.index_select(0, c_j + 1) <= remaining
+                if not bool(under.any()):
+                    break
+                c_j += under
+                value = column.index_select(0, c_j)
+            experts[j - 1] = c_j
+            remaining = remaining - value
+        experts[0] = remaining  # C(n, 1) = n
+        return experts.t()
+
+
+def _sorting_network(n: int) -> list[tuple[int, int]]:
+    """Batcher's odd-even merge sort comparators for ``n`` inputs (min to the lower index).
+
+    Built for the next power of two; comparators touching a position ``>= n`` are dropped,
+    which is the same as padding with +inf values that never move.
+    """
+    if n not in _NETWORKS:
+        size = 1 << max(0, (n - 1).bit_length())
+        pairs = []
+        p = 1
+        while p < size:
+            k = p
+            while k >= 1:
+                for j in range(k % p, size - k, 2 * k):
+                    for i in range(min(k, size - j - k)):
+                        if (i + j) // (2 * p) == (i + j + k) // (2 * p) and i + j + k < n:
+                            pairs.append((i + j, i + j + k))
+                k //= 2
+            p *= 2
+        _NETWORKS[n] = pairs
+    return _NETWORKS[n]
+
+
+_NETWORKS: dict[int, list[tuple[int, int]]] = {}

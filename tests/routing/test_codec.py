@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import pytest
@@ -118,3 +119,82 @@ def test_decoding_with_the_wrong_codec_or_size_is_an_error():
     truncated = type(blob)(packed.encode(random_routes(4, 1, 128, 2)).data[:-1], "packed", 4, 1)
     with pytest.raises(ValueError, match="need"):
         packed.decode(truncated)
+
+
+# sha256 of ``encode(...).data`` bytes computed with the codec before the issue-13 speed-up
+# (random_routes(123, 3, E, K, seed=10 * E + K), sets in score order): the format is the contract.
+GOLDEN_SHA256 = {
+    (128, 8, "uint8"): "5df4435d181e4ada8292e4852f13afbbd3e07c84e9687d33ce5768cc735f5175",
+    (128, 8, "int16"): "579eae2eeef742b343dc46b728b30a23f95d06f61fee8599d4b10cfadfe86148",
+    (128, 8, "int32"): "d8303a1d8a3269b2a4bc9eb9db63aedd938614b4a19e5d45d43df16a0b349f18",
+    (128, 8, "packed"): "510c5e7b2bed6e7999906090a0dd990222ab9410170aa8e61d04c05e96a14a88",
+    (256, 8, "uint8"): "68e3dad6b393a666dc47583e428fc4aa05feb8e3fde31c110db5bb4b2d615200",
+    (256, 8, "int16"): "e4b5d1935000f6388ec1b83bec599829e231044487cb6eb797d535c3cb8a3590",
+    (256, 8, "int32"): "bfd244c8c0fd44bf52e5f52d3c6673de11a1ba47c603759c5d1dc67667f8322e",
+    (256, 8, "packed"): "ba07b4234c0ae4440b0137479cb7e1277f1d1c7f5fa919347a83dfcd64648c0d",
+    (64, 6, "uint8"): "90d7665420ddf90869c0d2cc0ce0f05d2be9b15854d5b496c6d874c5e71a59cd",
+    (64, 6, "int16"): "5149b750914fefbcc4b4249f0f9cbec92abbcd3e87428545353d5ee1624bc73b",
+    (64, 6, "int32"): "bed2fe2677f888ce03366effd068fa8c5ed87f86a36b4fd121355c4bbcff8125",
+    (64, 6, "packed"): "09fcd9406bfcee2405b78bcadcf6d7a012a70d869001a3fe38a183b59ea4dfd6",
+    (8, 2, "uint8"): "13be29169fec78b00bf3f31ab2d83b84b1805a6ea2f2508cd332b66b5e46c649",
+    (8, 2, "int16"): "e8d5530f00342e9e7357136c2db0d7979d36216bf3185c1bfa90689db5d9645a",
+    (8, 2, "int32"): "a4c580a1347a9bb9f0d5e901266e1e9db78ac650ec552a53010a50d1ec9bbb9c",
+    (8, 2, "packed"): "71bac704dd27c1610b27d6d1ff9690394d058dd67b10b4506cc524be9a30000f",
+}
+
+
+@pytest.mark.parametrize(("num_experts", "topk", "dtype"), list(GOLDEN_SHA256))
+def test_encoded_bytes_are_identical_to_the_frozen_format(num_experts, topk, dtype):
+    routes = random_routes(123, 3, num_experts, topk, seed=10 * num_experts + topk)
+    codec = RoutingCodec(num_experts, topk, dtype)
+    blob = codec.encode(routes)
+    digest = hashlib.sha256(blob.data.contiguous().numpy().tobytes()).hexdigest()
+    assert digest == GOLDEN_SHA256[num_experts, topk, dtype]
+    assert same_sets(codec.decode(blob), routes)
+
+
+@pytest.mark.parametrize("topk", [*range(1, 18), 31, 32, 33])
+def test_validation_sorting_network_sorts_every_column_set(topk):
+    """Encode through the network must equal the rank of the fully sorted sets (K not 2^n too)."""
+    num_experts = 40
+    routes = random_routes(50, 2, num_experts, topk, seed=topk)
+    codec = RoutingCodec(num_experts, topk, "int32")
+    _, columns = codec._check(routes)
+    expected = routes.reshape(-1, topk).sort(dim=-1).values
+    assert torch.equal(torch.stack(columns, dim=1).long(), expected)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int16", "int32", "packed"])
+@pytest.mark.parametrize(
+    ("routes", "match"),
+    [
+        (torch.tensor([[[0, 1, 2]], [[4, 3, 128]]]), r"routes\[1, 0, 2\] holds expert 128"),
+        (torch.tensor([[[0, 1, 2]], [[4, -3, 1]]]), r"routes\[1, 0, 1\] holds expert -3"),
+        (torch.tensor([[[0, 1, 2], [7, 9, 7]]]), r"routes\[0, 1\] repeats an expert.*\[7, 9, 7\]"),
+        (torch.tensor([[0, 1, 2]]), r"must be \[tokens, moe_layers, topk=3\]"),
+        (torch.tensor([[[0, 1]]]), r"must be \[tokens, moe_layers, topk=3\]"),
+        (torch.tensor([[[0.0, 1.0, 2.0]]]), "integer torch.Tensor"),
+    ],
+)
+def test_every_codec_keeps_every_validation_error(dtype, routes, match):
+    with pytest.raises(ValueError, match=match):
+        RoutingCodec(128, 3, dtype).encode(routes)
+
+
+def test_corrupt_packed_rank_is_a_value_error():
+    codec = RoutingCodec(128, 8, "packed")  # 41 bits hold ranks beyond C(128, 8) - 1
+    blob = codec.encode(random_routes(4, 1, 128, 8))
+    data = blob.data.clone()
+    data[:6] = 0xFF  # first rank becomes 2^41 - 1 > C(128, 8) - 1
+    with pytest.raises(ValueError, match="corrupt"):
+        codec.decode(type(blob)(data, "packed", 4, 1))
+
+
+def test_empty_and_single_expert_inputs():
+    for dtype in ("uint8", "packed"):
+        codec = RoutingCodec(16, 4, dtype)
+        empty = torch.empty(0, 3, 4, dtype=torch.int64)
+        assert codec.decode(codec.encode(empty)).shape == (0, 3, 4)
+    one = RoutingCodec(1, 1, "packed")
+    routes = torch.zeros(5, 2, 1, dtype=torch.int64)
+    assert torch.equal(one.decode(one.encode(routes)), routes)
