@@ -48,49 +48,17 @@ RECOMPUTE = ("full", "none")
 REFERENCE = ("off", "gpu", "cpu")
 REPLAY = ("off", "r2", "r3")
 
-# Shapes that have no preset in `megatron_rl.model.presets` (same keys as its entries).
-EXTRA_MODELS: dict[str, dict[str, Any]] = {
-    # Qwen/Qwen3-235B-A22B's config.json shape.
-    "qwen3-235b-a22b": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        moe_intermediate_size=1536,
-        num_hidden_layers=94,
-        num_attention_heads=64,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=40960,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-    ),
-}
-
 
 def load_model_config(model: str | os.PathLike):
-    """A HF ``Qwen3MoeConfig``: a preset name, a name in `EXTRA_MODELS`, or a checkpoint folder."""
+    """A HF ``Qwen3MoeConfig``: a preset name or a checkpoint folder."""
     from megatron_rl.model.presets import PRESET_NAMES, load_hf_config, preset_config
 
     name = os.fspath(model)
     if name in PRESET_NAMES:
         return preset_config(name)
-    if name in EXTRA_MODELS:
-        from transformers import Qwen3MoeConfig
-
-        kwargs = dict(EXTRA_MODELS[name])
-        theta = kwargs.pop("rope_theta")
-        return Qwen3MoeConfig(
-            rope_parameters={"rope_type": "default", "rope_theta": theta}, **kwargs
-        )
     if not os.path.exists(name):
-        known = ", ".join((*PRESET_NAMES, *EXTRA_MODELS))
-        raise ValueError(f"model {name!r} is neither a known name ({known}) nor a path")
+        known = ", ".join(PRESET_NAMES)
+        raise ValueError(f"model {name!r} is neither a preset ({known}) nor a path")
     return load_hf_config(name)
 
 

@@ -54,6 +54,16 @@ _PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Qwen/Qwen3-235B-A22B's config.json shape (the rest as Qwen3-30B-A3B's).
+_PRESETS["qwen3-235b-a22b"] = dict(
+    _PRESETS["qwen3-30b-a3b"],
+    hidden_size=4096,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+)
+
 # tiny with one dense layer, tied embeddings and unnormalised top-k: the other code paths.
 _PRESETS["tiny-dense-tied"] = dict(
     _PRESETS["tiny"],

@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument(f"--{name}", dest=dest, default=getattr(defaults, dest), **kwargs)
 
     g = parser.add_argument_group("model and parallelism (Megatron names)")
-    add(g, "model", help="preset (tiny, tiny-dense-tied, qwen3-30b-a3b) or HF checkpoint folder")
+    add(g, "model", help="a preset (tiny, tiny-dense-tied, qwen3-30b-a3b, ...) or HF checkpoint")
     for name in ("tensor", "expert", "pipeline"):
         add(g, f"{name}-model-parallel-size")
     add(g, "context-parallel-size")
