@@ -49,7 +49,9 @@ def _stage_layers(text: str) -> tuple[int, ...]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--model", default="qwen3-30b-a3b", help="a preset (e.g. qwen3-235b-a22b) or a HF checkpoint folder"
+        "--model",
+        default="qwen3-30b-a3b",
+        help="a preset (e.g. qwen3-235b-a22b) or a HF checkpoint folder",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel")
