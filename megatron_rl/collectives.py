@@ -73,8 +73,7 @@ def mean_over_ranks(
     keys = sorted(metrics)
     _, world = rank_and_world_size(group)
     if world > 1:
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, keys, group=group)
+        gathered = all_gather_objects(keys, group)
         if any(other != keys for other in gathered):
             every, common = set().union(*gathered), set(keys).intersection(*gathered)
             raise RuntimeError(f"ranks report different metric keys: {sorted(every - common)}")

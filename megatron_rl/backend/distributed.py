@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_rl.backend.cpu import select_device
-from megatron_rl.parallel import ParallelConfig, initialized_parallel_state  # noqa: F401
+from megatron_rl.parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

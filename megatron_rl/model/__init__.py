@@ -7,7 +7,7 @@ megatron-core.
 
 from __future__ import annotations
 
-import importlib
+from megatron_rl.lazy_exports import lazy_getattr
 
 _HOMES = {
     "PRESET_NAMES": "megatron_rl.model.presets",
@@ -23,9 +23,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'megatron_rl.model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("megatron_rl.model", _HOMES, globals())

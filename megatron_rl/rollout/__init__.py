@@ -6,7 +6,7 @@ Names are imported on first use, so that light modules of this package (``launch
 
 from __future__ import annotations
 
-import importlib
+from megatron_rl.lazy_exports import lazy_getattr
 
 _HOMES = {
     "EngineHealth": "megatron_rl.rollout.types",
@@ -20,9 +20,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'megatron_rl.rollout' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("megatron_rl.rollout", _HOMES, globals())

@@ -215,12 +215,7 @@ class WeightSync:
             self._threads.submit(self.pool.call_on, url, "POST", path, payload, timeout_s=timeout_s)
             for url, payload in zip(urls, payloads, strict=True)
         ]
-        wait(futures)
-        for url, future in zip(urls, futures, strict=True):
-            why = _failure(future)
-            if why is not None:
-                self._fail(url, f"{what}: {why}")
-        self._require()
+        self._collect(urls, futures, what)
 
     def versions(self) -> dict[str, object]:
         return {
@@ -300,6 +295,10 @@ class WeightSync:
         """``fn(url)`` on every live server at once; failures leave the sync."""
         urls = list(self._live)
         futures = [self._threads.submit(fn, u) for u in urls]
+        self._collect(urls, futures, what)
+
+    def _collect(self, urls, futures, what: str) -> None:
+        """Wait for one call per server; a failed one takes its server out of the sync."""
         wait(futures)
         for url, future in zip(urls, futures, strict=True):
             why = _failure(future)

@@ -52,3 +52,13 @@ def loss_and_grad(name: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     out = compute_policy_loss(name, **kwargs)
     (grad,) = torch.autograd.grad(out.loss, kwargs["logprobs"])
     return out.loss.detach(), grad
+
+
+def float64_batch(seed: int, scale: float):
+    """``(logprobs [4, 6] requiring grad, old_logprobs, advantages [4], all-true mask)`` in
+    float64: log-ratios of size ``scale`` around behaviour log-probs in [-1.1, -0.1]."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64) - 0.1
+    lp = (old + scale * torch.randn(4, 6, generator=gen, dtype=torch.float64)).requires_grad_()
+    adv = torch.tensor([1.0, -0.7, 0.4, -1.3], dtype=torch.float64)
+    return lp, old, adv, torch.ones(4, 6, dtype=torch.bool)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from loss_batches import loss_and_grad, make_batch
+from loss_batches import float64_batch, loss_and_grad, make_batch
 
 from megatron_rl.losses import compute_policy_loss
 
@@ -30,10 +30,7 @@ def _sapo_closed_form(log_r: float, a: float, tau: float) -> tuple[float, float]
 @pytest.mark.parametrize(("tau_pos", "tau_neg"), [(1.0, 1.05), (0.7, 1.3)])
 def test_sapo_float64_matches_closed_form_to_1e_13(scale, tau_pos, tau_neg):
     """float64 in, float64 math throughout: temperatures are not rounded to float32."""
-    gen = torch.Generator().manual_seed(31)
-    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64) - 0.1
-    lp = (old + scale * torch.randn(4, 6, generator=gen, dtype=torch.float64)).requires_grad_()
-    adv = torch.tensor([1.0, -0.7, 0.4, -1.3], dtype=torch.float64)
+    lp, old, adv, mask = float64_batch(31, scale)
     out = compute_policy_loss(
         "sapo",
         tau_pos=tau_pos,
@@ -41,7 +38,7 @@ def test_sapo_float64_matches_closed_form_to_1e_13(scale, tau_pos, tau_neg):
         logprobs=lp,
         old_logprobs=old,
         advantages=adv,
-        loss_mask=torch.ones(4, 6, dtype=torch.bool),
+        loss_mask=mask,
         loss_agg_mode="seq-mean-token-sum",
         global_num_seqs=1,  # loss = sum of per-token losses, gradient = per-token derivative
     )

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from loss_batches import loss_and_grad, make_batch
+from loss_batches import float64_batch, loss_and_grad, make_batch
 
 from megatron_rl.losses import compute_policy_loss
 from megatron_rl.losses.vespo import vespo_kernel
@@ -70,17 +70,14 @@ def test_vespo_gradient_is_minus_phi_times_advantage_with_the_weight_detached():
 def test_vespo_float64_matches_closed_form_to_1e_13(exponents):
     """float64 in, float64 math throughout: kernel exponents are not rounded to float32."""
     c = {"c1_pos": 2.0, "c2_pos": 3.0, "c1_neg": 3.0, "c2_neg": 2.0} | exponents
-    gen = torch.Generator().manual_seed(32)
-    old = -torch.rand(4, 6, generator=gen, dtype=torch.float64) - 0.1
-    lp = (old + 0.05 * torch.randn(4, 6, generator=gen, dtype=torch.float64)).requires_grad_()
-    adv = torch.tensor([1.0, -0.7, 0.4, -1.3], dtype=torch.float64)
+    lp, old, adv, mask = float64_batch(32, 0.05)
     out = compute_policy_loss(
         "vespo",
         **exponents,
         logprobs=lp,
         old_logprobs=old,
         advantages=adv,
-        loss_mask=torch.ones(4, 6, dtype=torch.bool),
+        loss_mask=mask,
         loss_agg_mode="seq-mean-token-sum",
         global_num_seqs=1,  # loss = sum of per-token losses, gradient = per-token derivative
     )
