@@ -139,7 +139,6 @@ def _sync_row(args, config, model, server, transport, tmp, version) -> dict:
     sync = WeightSyncConfig(
         transport=transport,
         disk_dir=tmp,
-        tensor_serializer="torch_b64",
         bucket_bytes=args.bucket_mb * 1024**2,
     )
     client_config = SGLangEngineConfig.from_hf_config(

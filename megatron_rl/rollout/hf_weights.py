@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import torch
 
+from megatron_rl.rollout.flat_bucket import nonfinite_name
+
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
@@ -47,12 +49,17 @@ def hf_param_table(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def stage_weights(
-    model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    model: torch.nn.Module,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    check_finite: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Validate a stream against ``model`` and return (target view, source) pairs; no writes.
 
-    Raises ValueError naming the first unknown name, shape mismatch or non-finite tensor, so that
-    a bad stream leaves the model untouched (the caller writes only after staging all of it).
+    Raises ValueError naming the first unknown name, shape mismatch or (``check_finite``)
+    tensor holding NaN/Inf, so that a bad stream leaves the model untouched (the caller writes
+    only after staging all of it). Sources are held, not copied: they must not change before
+    `apply_staged`.
     """
     params = hf_param_table(model)
     staged = []
@@ -63,17 +70,17 @@ def stage_weights(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
                 f"{tuple(target.shape)}"
             )
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if check_finite and nonfinite_name([(name, tensor)]) is not None:
             raise ValueError(f"weight {name!r} holds non-finite values")
-        staged.append((target, tensor.detach().to("cpu", copy=True)))
+        staged.append((target, tensor.detach()))
     return staged
 
 
 @torch.no_grad()
 def apply_staged(staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy every staged source into its target view (dtype/device converted)."""
+    """Copy every staged source into its target view (dtype/device converted by ``copy_``)."""
     for target, source in staged:
-        target.copy_(source.to(device=target.device, dtype=target.dtype))
+        target.copy_(source)
 
 
 def checksums(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:

@@ -138,10 +138,15 @@ class InProcessEngine:
             self._version = version
         logger.info("in-process engine: %d tensors loaded, version %d", len(staged), version)
 
-    def load_weights_in_place(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Stage and write tensors without touching the version (bucketed transports)."""
+    def load_weights_in_place(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, check_finite: bool = True
+    ) -> int:
+        """Stage and write tensors without touching the version (bucketed transports).
+
+        ``check_finite=False`` where the sender already checked (SGLang does not check either).
+        """
         with self._lock:
-            staged = hf_weights.stage_weights(self.model, named_tensors)
+            staged = hf_weights.stage_weights(self.model, named_tensors, check_finite=check_finite)
             hf_weights.apply_staged(staged)
         return len(staged)
 

@@ -11,8 +11,12 @@ SGLang 0.5's HTTP API (field names from ``sglang/srt/managers/io_struct.py``) th
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/update_weight_version``.
 
-Differences from SGLang, deliberately: ``update_weights_from_tensor`` takes tensors serialised
-with ``torch.save`` and base64 (there are no CUDA IPC handles on CPU); one extra endpoint,
+``update_weights_from_tensor`` reads SGLang's ``MultiprocessingSerializer`` format (base64 of a
+``ForkingPickler`` pickle; on CPU a tensor arrives as a shared-memory handle), with or without
+``load_format="flattened_bucket"``, through an allowlist taken from SGLang's ``SafeUnpickler``;
+``update_weights_from_distributed`` receives per tensor or one flat bucket, as SGLang does.
+Neither checks the weights for NaN/Inf (SGLang does not; the trainer checks before sending).
+Differences from SGLang, deliberately: one extra endpoint,
 ``/weights_checksum`` (SGLang has none), serves the checksum mode. ``before_request`` lets tests
 inject faults: return "drop" (close without answering), "503", "stall" (sleep ``stall_s``; a
 stalled ``/generate`` counts as running and ends early on ``/abort_request``), or
@@ -37,6 +41,7 @@ import io
 import itertools
 import json
 import logging
+import pickle
 import threading
 import time
 import urllib.parse
@@ -46,11 +51,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from megatron_rl.moe_layers import moe_layer_pattern
+from megatron_rl.rollout.flat_bucket import FLATTENED
 from megatron_rl.rollout.inprocess import InProcessEngine
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.weight_group import GroupMemberProcess
 
 logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8, torch.int8)
+_DTYPES += (torch.int16, torch.int32, torch.int64, torch.bool)
 
 
 class LoopbackServer:
@@ -275,7 +284,7 @@ class LoopbackServer:
         try:
             with CheckpointReader(payload["model_path"]) as reader:
                 count = self.engine.load_weights_in_place(
-                    (n, reader.get(n)) for n in reader.names()
+                    ((n, reader.get(n)) for n in reader.names()), check_finite=False
                 )
         except (OSError, ValueError) as err:  # SGLang: HTTP 400 with success false
             return 400, {"success": False, "message": f"{type(err).__name__}: {err}"}
@@ -283,10 +292,16 @@ class LoopbackServer:
         return 200, {"success": True, "message": f"loaded {count} tensors"}
 
     def _from_tensor(self, payload: dict) -> tuple[int, object]:
-        raw = base64.b64decode(payload["serialized_named_tensors"][0])
-        named = torch.load(io.BytesIO(raw), weights_only=True)
+        # As SGLang's TP rank 0: its own entry, ``MultiprocessingSerializer.deserialize``
+        # (base64, then an unpickler that admits only tensor and plain-data globals).
         try:
-            count = self.engine.load_weights_in_place(named)
+            named = _deserialize_tensors(
+                payload["serialized_named_tensors"][0], payload.get("load_format")
+            )
+        except (KeyError, IndexError, ValueError, RuntimeError, pickle.UnpicklingError) as err:
+            return 400, {"success": False, "message": f"{type(err).__name__}: {err}"}
+        try:
+            count = self.engine.load_weights_in_place(named, check_finite=False)
         except ValueError as err:
             return 400, {"success": False, "message": str(err)}
         self._commit(payload)
@@ -319,12 +334,14 @@ class LoopbackServer:
         group = self.weight_groups.get(payload["group_name"])
         if group is None:
             return 200, {"success": False, "message": f"no group {payload['group_name']!r}"}
+        flattened = payload.get("load_format") == FLATTENED  # SGLang: any other value, per tensor
         try:
-            tensors = group.receive(payload["names"], payload["dtypes"], payload["shapes"])
+            with group.receive(
+                payload["names"], payload["dtypes"], payload["shapes"], flattened=flattened
+            ) as tensors:
+                count = self.engine.load_weights_in_place(tensors, check_finite=False)
         except (RuntimeError, TimeoutError) as err:
             return 400, {"success": False, "message": f"{type(err).__name__}: {err}"}
-        try:
-            count = self.engine.load_weights_in_place(tensors)
         except ValueError as err:
             return 200, {"success": False, "message": str(err)}
         self._commit(payload)
@@ -406,6 +423,59 @@ def _aborted_answer(payload: object) -> dict:
     finish = {"type": "abort", "message": "Abort in waiting queue"}
     meta = {"id": rid, "finish_reason": finish, "prompt_tokens": 0, "completion_tokens": 0}
     return {"output_ids": [], "meta_info": meta}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """The globals a CPU weight payload needs, from SGLang's ``SafeUnpickler`` allowlist
+    (``sglang/srt/utils/common.py``); anything else is refused as there."""
+
+    ALLOWED = (
+        {("builtins", name) for name in ("dict", "list", "tuple", "int", "str", "bool", "float")}
+        | {
+            ("collections", "OrderedDict"),
+            ("copyreg", "__newobj__"),
+            ("types", "SimpleNamespace"),
+            ("torch", "Size"),
+            ("torch", "dtype"),
+            ("torch", "UntypedStorage"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch.storage", "TypedStorage"),
+            ("torch", "Tensor"),
+            ("torch._utils", "_rebuild_tensor"),
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch._utils", "_rebuild_parameter"),
+            ("torch.multiprocessing.reductions", "rebuild_tensor"),
+            ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+            ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+            ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+            ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
+            ("multiprocessing.resource_sharer", "DupFd"),
+        }
+        | {("torch", str(d).removeprefix("torch.")) for d in _DTYPES}
+    )
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+
+
+def _deserialize_tensors(entry: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """One rank's ``serialized_named_tensors`` entry -> (name, tensor) pairs, as SGLang reads
+    it: a list of pairs, or (``flattened_bucket``) ``{"flattened_tensor", "metadata"}`` whose
+    entries name byte ranges ``[start_idx, end_idx)`` of the flat tensor."""
+    data = base64.b64decode(entry, validate=True) if isinstance(entry, str) else entry
+    obj = _SafeUnpickler(io.BytesIO(data)).load()
+    if load_format == FLATTENED:
+        flat = obj["flattened_tensor"]
+        return [
+            (m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape))
+            for m in obj["metadata"]
+        ]
+    if load_format is not None:
+        raise ValueError(f"load_format={load_format!r}: this server takes None or {FLATTENED!r}")
+    return list(obj)
 
 
 def main() -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
-import io
 import itertools
 import logging
 import multiprocessing
@@ -44,6 +43,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+
+from megatron_rl.rollout import flat_bucket
 
 logger = logging.getLogger(__name__)
 
@@ -155,19 +156,34 @@ def receive_bucket(
     names: Sequence[str],
     dtypes: Sequence[str],
     shapes: Sequence[Sequence[int]],
+    *,
+    flattened: bool = False,
+    buffer: torch.Tensor | None = None,
     device: str = "cpu",
 ) -> list[tuple[str, torch.Tensor]]:
-    """Receiver side of one bucket: one broadcast per tensor, in the announced order."""
-    if not len(names) == len(dtypes) == len(shapes):
-        raise ValueError(
-            f"bucket announces {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes"
-        )
-    out = []
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        tensor = torch.empty(tuple(shape), dtype=getattr(torch, dtype), device=device)
-        broadcast_tensor(group, tensor)
-        out.append((name, tensor))
-    return out
+    """Receiver side of one bucket, as an SGLang TP worker takes it.
+
+    ``flattened`` (``load_format="flattened_bucket"``): one broadcast of the whole bucket in
+    SGLang's flat layout (`flat_bucket.layout`); otherwise one broadcast per tensor in the
+    announced order. The tensors are views of ``buffer`` (uint8, at least
+    `bucket_nbytes` bytes; a new one when None).
+    """
+    slots = flat_bucket.layout(names, dtypes, shapes, pad=not flattened)
+    need = bucket_nbytes(slots)
+    if buffer is None:
+        buffer = torch.empty(need, dtype=torch.uint8, device=device)
+    elif buffer.numel() < need:
+        raise ValueError(f"receive buffer holds {buffer.numel()} bytes, the bucket needs {need}")
+    if flattened:
+        broadcast_tensor(group, buffer[:need])
+    else:
+        for slot in slots:
+            broadcast_tensor(group, flat_bucket.view(buffer, slot))
+    return flat_bucket.unpack(buffer, slots)
+
+
+def bucket_nbytes(slots: Sequence[flat_bucket.Slot]) -> int:
+    return slots[-1].end if slots else 0
 
 
 # ---------------------------------------------------------------------- a member in a process
@@ -179,19 +195,21 @@ def _member_main(conn, kwargs: dict) -> None:
         conn.send(("error", f"{type(err).__name__}: {err}"))
         return
     conn.send(("ok", None))
+    buffer = None  # shared with the parent, which reads the received tensors in place
     try:
         while True:
             try:
                 request = conn.recv()
             except EOFError:
                 return
+            if request[0] == "buffer":
+                buffer = request[1]
+                continue
             if request[0] != "receive":
                 return
             try:
-                buffer = io.BytesIO()
-                torch.save(receive_bucket(group, *request[1:]), buffer)
+                receive_bucket(group, *request[1:4], flattened=request[4], buffer=buffer)
                 conn.send(("ok", None))
-                conn.send_bytes(buffer.getvalue())
             except Exception as err:
                 conn.send(("error", f"{type(err).__name__}: {err}"))
     finally:
@@ -202,7 +220,8 @@ class GroupMemberProcess:
     """Rank ``rank`` (> 0) of a weight group, joined by a child process with `init_weight_group`.
 
     The constructor returns once the group is joined (RuntimeError if joining failed);
-    `receive` takes one bucket as `receive_bucket` does; `close` destroys the group there.
+    `receive` takes one bucket as `receive_bucket` does, into a shared-memory buffer the child
+    writes and this process reads in place (no copy between them); `close` destroys the group.
     """
 
     def __init__(
@@ -230,6 +249,7 @@ class GroupMemberProcess:
         self.group_name = group_name
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_member_main, args=(child, kwargs), daemon=True)
@@ -248,15 +268,30 @@ class GroupMemberProcess:
         except EOFError as err:
             raise RuntimeError("weight group member process died") from err
 
+    @contextlib.contextmanager
     def receive(
-        self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
-    ) -> list[tuple[str, torch.Tensor]]:
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        flattened: bool = False,
+    ):
+        """Receive one bucket; yields (name, tensor) views of the shared buffer, valid inside
+        the block (the next bucket reuses the buffer)."""
         with self._lock:
-            self._conn.send(("receive", list(names), list(dtypes), [list(s) for s in shapes]))
+            slots = flat_bucket.layout(names, dtypes, shapes, pad=not flattened)
+            need = bucket_nbytes(slots)
+            if self._buffer is None or self._buffer.numel() < need:
+                storage = torch.UntypedStorage._new_shared(max(need, 1))
+                self._buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+                self._conn.send(("buffer", self._buffer))
+            request = ("receive", list(names), list(dtypes), [list(s) for s in shapes], flattened)
+            self._conn.send(request)
             status, message = self._answer(self._timeout_s + 30.0)
             if status != "ok":
                 raise RuntimeError(message)
-            return torch.load(io.BytesIO(self._conn.recv_bytes()), weights_only=True)
+            yield flat_bucket.unpack(self._buffer, slots)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Destroy the group in the child and end it (killed if it does not end in time)."""

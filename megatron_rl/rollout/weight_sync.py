@@ -5,12 +5,16 @@ One sync (`sync_weights`) on the trainer's global rank 0, fed by
 drop the tensors):
 
 1. ``/pause_generation`` and ``/flush_cache`` on every server;
-2. the tensors, in buckets of at most ``bucket_bytes``, by one transport:
-   ``distributed`` (``/init_weights_update_group`` once, then per bucket
-   ``/update_weights_from_distributed`` while rank 0 broadcasts over that group; NCCL on GPU,
-   gloo on CPU), ``tensor`` (``/update_weights_from_tensor``, colocated), or ``disk`` (HF
-   safetensors written to a temporary folder renamed into place, then
-   ``/update_weights_from_disk``);
+2. the tensors, in buckets of at most ``bucket_bytes`` (`flat_bucket.flat_buckets`), each packed
+   into one staging buffer in SGLang's ``flattened_bucket`` layout and checked for NaN/Inf there,
+   once, on this side (`flat_bucket.first_nonfinite`; servers do not check), then sent by one
+   transport: ``distributed`` (``/init_weights_update_group`` once, then per bucket
+   ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` while rank 0
+   broadcasts the flat buffer once over that group; NCCL on GPU, gloo on CPU), ``tensor``
+   (``/update_weights_from_tensor``, colocated: the flat buffer by SGLang's
+   ``MultiprocessingSerializer`` format, which passes CUDA IPC handles on GPU and a shared-memory
+   file name on CPU, never the bytes), or ``disk`` (HF safetensors written to a temporary folder
+   renamed into place, then ``/update_weights_from_disk``);
 3. ``/update_weight_version`` to ``version`` once every bucket loaded, then each server's
    ``weight_version`` (``/get_model_info``) must equal it, and optionally per-tensor checksums;
 4. ``/continue_generation``, whatever happened.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import json
@@ -39,12 +44,15 @@ import os
 import shutil
 import socket
 import time
+import types
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from megatron_rl.rollout import flat_bucket
+from megatron_rl.rollout.flat_bucket import FLATTENED, flat_buckets
 from megatron_rl.rollout.hf_weights import checksums
 from megatron_rl.rollout.http_pool import ServerError
 from megatron_rl.rollout.weight_group import (
@@ -57,7 +65,6 @@ from megatron_rl.rollout.weight_group import (
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("distributed", "tensor", "disk")
-SERIALIZERS = ("sglang", "torch_b64")
 
 
 class WeightSyncError(RuntimeError):
@@ -69,9 +76,9 @@ class WeightSyncConfig:
     """How `sync_weights` pushes weights.
 
     ``engine_ranks``: ranks (TP size) of each server; one group rank each for ``distributed``,
-    one serialised copy each for ``tensor``. ``tensor_serializer``: "sglang" (SGLang's
-    ``MultiprocessingSerializer``, CUDA IPC, colocated GPUs) or "torch_b64" (``torch.save`` +
-    base64, what the CPU loopback server takes). ``master_port = 0`` picks a free port.
+    one serialised handle each for ``tensor``. ``master_port = 0`` picks a free port.
+    ``bucket_bytes`` also bounds the staging buffer this side holds (a larger tensor gets a
+    buffer of its own size).
     ``checksum``: per-tensor checksums read back over ``/weights_checksum``, which only the
     loopback server has (SGLang answers 404; the sync then fails with a WeightSyncError).
     ``failure_timeout_s``: how long control calls (pause, version, destroy) and a failing
@@ -89,7 +96,6 @@ class WeightSyncConfig:
     backend: str = "gloo"
     group_name: str = "megatron_rl_weights"
     engine_ranks: int = 1
-    tensor_serializer: str = "sglang"
     checksum: bool = False
     checksum_rtol: float = 1e-6
     group_timeout_s: float = 300.0
@@ -106,11 +112,6 @@ class WeightSyncConfig:
             raise ValueError(
                 "WeightSyncConfig.disk_dir=None: the disk transport needs a folder every server "
                 "can read"
-            )
-        if self.tensor_serializer not in SERIALIZERS:
-            raise ValueError(
-                f"WeightSyncConfig.tensor_serializer={self.tensor_serializer!r}: choose one of "
-                f"{SERIALIZERS}"
             )
         if not self.failure_timeout_s > 0:
             raise ValueError(
@@ -135,23 +136,6 @@ class SyncReport:
     @property
     def mb_per_s(self) -> float:
         return self.num_bytes / 1e6 / max(self.seconds, 1e-9)
-
-
-def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor travels alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 class WeightSync:
@@ -181,6 +165,7 @@ class WeightSync:
         self._live: list[str] = list(pool.members())  # the servers in the sync under way
         self._failed: dict[str, str] = {}  # url -> why, in the sync under way
         self._version = 0
+        self._staging: torch.Tensor | None = None  # uint8, reused across buckets and syncs
         self.dropped_total = 0  # servers dropped by syncs so far (a metric)
         self.rejoined_total = 0  # dropped servers admitted again after a full sync
 
@@ -367,16 +352,17 @@ class WeightSync:
         """
         del version
         cfg = self.config
-        device = "cuda" if cfg.backend == "nccl" else "cpu"
+        device = _current_cuda() if cfg.backend == "nccl" else torch.device("cpu")
         try:
-            for bucket in iter_buckets(stream, cfg.bucket_bytes):
+            for bucket in flat_buckets(stream, cfg.bucket_bytes):
                 report.num_buckets += 1
+                flat, slots = self._stage(bucket, device)
                 for _ in range(len(self.pool.config.urls) + 1):
                     self._require()
                     if self.group is None or self._group_urls != tuple(self._live):
                         self._destroy_group()
                         self._init_group()
-                    if self._send_bucket(bucket, device):
+                    if self._send_bucket(flat, slots):
                         break
                 else:  # pragma: no cover - every retry drops at least one server
                     raise WeightSyncError("a bucket failed on every rebuilt weight group")
@@ -386,22 +372,48 @@ class WeightSync:
             self._destroy_group()
             raise
 
-    def _send_bucket(self, bucket, device: str) -> bool:
+    def _stage(self, bucket, device: torch.device, *, shared: bool = False):
+        """Pack ``bucket`` into the staging buffer (grown when too small; ``shared``: a
+        shared-memory file on CPU) and check it for NaN/Inf; (flat bucket, slots)."""
+        slots = flat_bucket.bucket_slots(bucket)
+        need = slots[-1].end
+        staging = self._staging
+        if staging is None or staging.numel() < need or staging.device != device:
+            self._staging = None
+            if shared and device.type == "cpu":
+                with _file_system_sharing():
+                    storage = torch.UntypedStorage._new_shared(need)
+                staging = torch.empty(0, dtype=torch.uint8).set_(storage)
+            else:
+                staging = torch.empty(need, dtype=torch.uint8, device=device)
+            if need <= self.config.bucket_bytes:  # a one-off larger buffer is not kept
+                self._staging = staging
+        flat = staging[:need]
+        flat_bucket.pack(bucket, flat)
+        bad = flat_bucket.first_nonfinite(flat, slots)
+        if bad is not None:
+            raise WeightSyncError(
+                f"weight sync to version {self._version}: tensor {bad!r} holds NaN or Inf; "
+                "nothing after the previous bucket was sent and the version is unchanged"
+            )
+        return flat, slots
+
+    def _send_bucket(self, flat: torch.Tensor, slots) -> bool:
         """One bucket over the current group; False (group destroyed, failures out) on error."""
         urls = list(self._group_urls)
         payload = {
-            "names": [n for n, _ in bucket],
-            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
+            "names": [s.name for s in slots],
+            "dtypes": [dtype_name(s.dtype) for s in slots],
+            "shapes": [list(s.shape) for s in slots],
             "group_name": self.group_name,
             "flush_cache": False,
+            "load_format": FLATTENED,
         }
         path = "/update_weights_from_distributed"
         futures = [self._threads.submit(self.pool.call_on, u, "POST", path, payload) for u in urls]
         broken = None
         try:
-            for _, tensor in bucket:
-                self._broadcast(tensor.detach().to(device).contiguous(), urls, futures)
+            self._broadcast(flat, urls, futures)
         except Exception as err:  # a member left mid-broadcast (gloo: "closed by peer")
             broken = err
         if broken is None:
@@ -514,36 +526,45 @@ class WeightSync:
                 logger.warning("destroy_weights_update_group %r on %s: %s", name, url, why)
 
     def _tensor(self, stream, report: SyncReport, version: int) -> None:
-        """``/update_weights_from_tensor`` per bucket, the way SGLang's own producer does it.
+        """``/update_weights_from_tensor`` per bucket with ``load_format="flattened_bucket"``.
 
-        SGLang's ``UpdateWeightsFromTensorReqInput.serialized_named_tensors`` holds one entry per
-        TP rank and each rank deserialises only its own (``tp_worker.deserialize_own_rank``):
-        with the "sglang" serializer every entry is its own ``MultiprocessingSerializer`` call,
-        after ``monkey_patch_torch_reductions`` (CUDA IPC handles name the GPU by UUID), as
-        ``sglang/srt/weight_sync/utils.py`` does, because each serialisation carries its own
-        producer-side CUDA-IPC reference count; sharing one string between ranks or servers
-        breaks it. The bucket's tensors (and any copies made for sending) stay referenced until
-        every server's HTTP call has returned. "torch_b64" entries are plain bytes without
-        handles, so one string serves every rank.
+        The payload is SGLang's own ``MultiprocessingSerializer.serialize(obj, output_str=True)``
+        format (``ForkingPickler`` + base64) of ``{"flattened_tensor": flat, "metadata": [...]}``
+        (what ``_update_weights_from_flattened_bucket`` reads; metadata entries are
+        ``SimpleNamespace`` with ``FlattenedTensorMetadata``'s fields, which SGLang's
+        ``SafeUnpickler`` admits). The tensor itself never travels: on GPU it is a CUDA IPC
+        handle (after SGLang's ``monkey_patch_torch_reductions``, GPUs named by UUID), on CPU
+        the name of the shared-memory file holding the staging buffer. SGLang's
+        ``serialized_named_tensors`` holds one entry per TP rank and each rank deserialises only
+        its own (``tp_worker.deserialize_own_rank``): every entry is its own serialisation,
+        because each carries its own producer-side reference count. A GPU bucket is a fresh
+        buffer (as SGLang's producer makes it); the buffer stays referenced until every server's
+        call has returned. On CPU the one shared buffer is reused: servers copy on load.
         """
         del version
         cfg = self.config
-        for bucket in iter_buckets(stream, cfg.bucket_bytes):
+        on_gpu = torch.cuda.is_available()
+        device = _current_cuda() if on_gpu else torch.device("cpu")
+        serialize = _sglang_serialize() if on_gpu else _serialize_shared
+        for bucket in flat_buckets(stream, cfg.bucket_bytes):
             report.num_buckets += 1
-            named = _tensors_to_send(bucket, cfg.tensor_serializer)
-            if cfg.tensor_serializer == "sglang":
-                serialize = _sglang_serialize()
-                entries = [[serialize(named) for _ in range(cfg.engine_ranks)] for _ in self._live]
-            else:
-                blob = _torch_b64(named)
-                entries = [[blob] * cfg.engine_ranks for _ in self._live]
+            if on_gpu:
+                self._staging = None  # one buffer per bucket under CUDA IPC
+            flat, slots = self._stage(bucket, device, shared=True)
+            obj = {"flattened_tensor": flat, "metadata": [_metadata(s) for s in slots]}
             payloads = [
-                {"serialized_named_tensors": ranks, "load_format": None, "flush_cache": False}
-                for ranks in entries
+                {
+                    "serialized_named_tensors": [serialize(obj) for _ in range(cfg.engine_ranks)],
+                    "load_format": FLATTENED,
+                    "flush_cache": False,
+                }
+                for _ in self._live
             ]
-            # waits for every server to finish reading before a failure lets `named` go
+            # waits for every server to finish reading before the buffer may be reused
             self._phase("/update_weights_from_tensor", payloads, "update_weights_from_tensor")
-            del named, entries, payloads
+            del obj, payloads, flat
+        if on_gpu:
+            self._staging = None
 
     def _disk(self, stream, report: SyncReport, version: int) -> None:
         from megatron_rl.atomic_io import atomic_write_text
@@ -553,7 +574,13 @@ class WeightSync:
         final = os.path.join(root, f"weights-v{version}")
         tmp = os.path.join(root, f".weights-v{version}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        files = write_checkpoint(stream, tmp, max_shard_bytes=self.config.bucket_bytes)
+        try:
+            files = write_checkpoint(
+                self._finite(stream), tmp, max_shard_bytes=self.config.bucket_bytes
+            )
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         report.num_buckets = sum(f.endswith(".safetensors") for f in files)
         if self.hf_config is not None:
             config = {**self.hf_config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
@@ -563,7 +590,18 @@ class WeightSync:
         payload = {"model_path": final, "load_format": "auto"}
         self._phase("/update_weights_from_disk", payload, "update_weights_from_disk")
 
+    def _finite(self, stream):
+        """``stream``, failing on the first tensor holding NaN or Inf (one aminmax each)."""
+        for name, tensor in stream:
+            if flat_bucket.nonfinite_name([(name, tensor)]) is not None:
+                raise WeightSyncError(
+                    f"weight sync to version {self._version}: tensor {name!r} holds NaN or Inf; "
+                    "the version is unchanged"
+                )
+            yield name, tensor
+
     def close(self) -> None:
+        self._staging = None
         self._destroy_group()
         self._threads.shutdown(wait=False)
 
@@ -579,17 +617,46 @@ def _failure(future) -> str | None:
     return None
 
 
-def _tensors_to_send(bucket: list[tuple[str, torch.Tensor]], serializer: str) -> list:
-    """The (name, tensor) pairs to serialise: on the GPU for CUDA IPC, on the CPU for bytes."""
-    if serializer == "sglang":
-        if not torch.cuda.is_available():
-            raise WeightSyncError(
-                "tensor_serializer='sglang' shares CUDA IPC handles and needs a GPU; use "
-                "'torch_b64' (the loopback server) or another transport"
-            )
-        device = torch.device("cuda", torch.cuda.current_device())
-        return [(n, t.detach().to(device).contiguous()) for n, t in bucket]
-    return [(n, t.detach().cpu().contiguous()) for n, t in bucket]
+def _current_cuda() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _metadata(slot: flat_bucket.Slot) -> types.SimpleNamespace:
+    """SGLang's ``FlattenedTensorMetadata`` fields (``numel`` counts bytes, as there)."""
+    return types.SimpleNamespace(
+        name=slot.name,
+        shape=torch.Size(slot.shape),
+        dtype=slot.dtype,
+        start_idx=slot.start,
+        end_idx=slot.end,
+        numel=slot.end - slot.start,
+    )
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """torch's "file_system" sharing strategy for the block: shared CPU storages are named
+    files that any process on the host can map (the default "file_descriptor" strategy only
+    reaches processes that share this one's multiprocessing authkey)."""
+    import torch.multiprocessing as tmp
+
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        tmp.set_sharing_strategy(before)
+
+
+def _serialize_shared(obj) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` on CPU:
+    ``ForkingPickler`` (shared storages by file name) then base64."""
+    from multiprocessing.reduction import ForkingPickler
+
+    buffer = io.BytesIO()
+    with _file_system_sharing():
+        ForkingPickler(buffer).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def _sglang_serialize():
@@ -598,13 +665,7 @@ def _sglang_serialize():
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
     monkey_patch_torch_reductions()  # idempotent
-    return lambda named: MultiprocessingSerializer.serialize(named, output_str=True)
-
-
-def _torch_b64(named: list[tuple[str, torch.Tensor]]) -> str:
-    buffer = io.BytesIO()
-    torch.save(named, buffer)
-    return base64.b64encode(buffer.getvalue()).decode()
+    return lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True)
 
 
 def _free_port(address: str) -> int:

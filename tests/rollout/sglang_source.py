@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import sys
 from pathlib import Path
 
 PINNED = "0.5.23"
@@ -58,11 +59,57 @@ def dataclass_fields(relative: str, class_name: str) -> list[str]:
     ]
 
 
+def class_node(relative: str, name: str) -> ast.ClassDef:
+    """The AST of class ``name`` in ``sglang/<relative>``."""
+    return _top_level(relative, name, ast.ClassDef)
+
+
 def load_function(relative: str, name: str, namespace: dict | None = None):
     """The function ``name`` of ``sglang/<relative>``, compiled from SGLang's source."""
-    node = _top_level(relative, name, ast.FunctionDef)
+    return _load(relative, _top_level(relative, name, ast.FunctionDef), namespace)
+
+
+def load_class(relative: str, name: str, namespace: dict | None = None) -> type:
+    """The class ``name`` of ``sglang/<relative>``, compiled from SGLang's source (decorators
+    dropped: give ``dataclass`` semantics back with ``dataclasses.dataclass(cls)``)."""
+    return _load(relative, class_node(relative, name), namespace)
+
+
+def load_method(relative: str, class_name: str, name: str, namespace: dict | None = None):
+    """Method ``name`` of class ``class_name`` in ``sglang/<relative>``, compiled from SGLang's
+    source as a plain function (call it with any object standing in for ``self``)."""
+    for node in class_node(relative, class_name).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return _load(relative, node, namespace)
+    raise RuntimeError(f"{class_name}.{name} is not defined in sglang/{relative}")
+
+
+def load_module(relative: str, name: str) -> dict:
+    """Execute a self-contained module of ``sglang/<relative>`` (one that imports no other
+    sglang module, checked) as module ``name`` (registered in ``sys.modules``, which
+    dataclasses need) and return its namespace."""
+    tree = _tree(relative)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            modules = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+            )
+            if any(m.split(".")[0] == "sglang" for m in modules):
+                raise RuntimeError(f"sglang/{relative} imports sglang modules; load parts of it")
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, sglang_path(relative))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return vars(module)
+
+
+def _load(relative: str, node: ast.AST, namespace: dict | None):
     node.decorator_list = []
     module = ast.Module(body=[node], type_ignores=[])
     scope = dict(namespace or {})
     exec(compile(module, str(sglang_path(relative)), "exec"), scope)
-    return scope[name]
+    return scope[node.name]

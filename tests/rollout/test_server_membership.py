@@ -42,7 +42,6 @@ def client_for(servers, transport="tensor", min_servers=1, **sync) -> SGLangEngi
         sync=WeightSyncConfig(
             transport=transport,
             bucket_bytes=64 * 1024,
-            tensor_serializer="torch_b64",
             failure_timeout_s=15.0,
             **sync,
         ),

@@ -15,7 +15,7 @@ from typing import Optional
 
 import pytest
 import torch
-from sglang_source import dataclass_fields, sglang_path
+from sglang_source import class_node, dataclass_fields, load_class, sglang_path
 
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout import weight_sync
@@ -28,30 +28,15 @@ from megatron_rl.routing import RoutingCodec
 IO_STRUCT = "srt/managers/io_struct.py"
 
 
-def _class(relative: str, name: str) -> ast.ClassDef:
-    tree = ast.parse(sglang_path(relative).read_text(encoding="utf-8"))
-    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
-
-
 def _sampling_params_args() -> set[str]:
     """``SamplingParams.__init__``'s arguments, or its fields where it is a struct (0.5.23)."""
-    node = _class("srt/sampling/sampling_params.py", "SamplingParams")
+    node = class_node("srt/sampling/sampling_params.py", "SamplingParams")
     init = next(
         (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None
     )
     if init is None:
         return set(dataclass_fields("srt/sampling/sampling_params.py", "SamplingParams"))
     return {a.arg for a in [*init.args.args, *init.args.kwonlyargs]} - {"self"}
-
-
-def _exec_class(relative: str, name: str, namespace: dict) -> type:
-    node = _class(relative, name)
-    node.decorator_list = []
-    scope = dict(namespace)
-    exec(
-        compile(ast.Module(body=[node], type_ignores=[]), str(sglang_path(relative)), "exec"), scope
-    )
-    return scope[name]
 
 
 # ---------------------------------------------------------------------------- /generate
@@ -113,7 +98,7 @@ def _sync(pool, monkeypatch, **config):
 @pytest.mark.parametrize(
     "config",
     [
-        {"transport": "tensor", "tensor_serializer": "torch_b64", "engine_ranks": 2},
+        {"transport": "tensor", "engine_ranks": 2},
         {"transport": "distributed"},
         {"transport": "disk"},
     ],
@@ -134,29 +119,32 @@ def test_weight_update_bodies_are_sglang_request_fields(config, monkeypatch, tmp
 def test_tensor_transport_serialises_one_entry_per_rank_and_keeps_tensors_alive(monkeypatch):
     """SGLang's producer (``srt/weight_sync/utils.py``) patches torch's reductions, then calls
     ``MultiprocessingSerializer.serialize`` once per TP rank; each rank deserialises its own
-    entry (``tp_worker.deserialize_own_rank``). The tensors must outlive every HTTP call."""
-    serialized: list[list] = []
-    monkeypatch.setattr(
-        weight_sync, "_sglang_serialize", lambda: lambda named: serialized.append(named) or
-        f"blob{len(serialized)}",
-    )  # fmt: skip
-    monkeypatch.setattr(
-        weight_sync, "_tensors_to_send", lambda bucket, s: [(n, t.clone()) for n, t in bucket]
-    )
+    entry (``tp_worker.deserialize_own_rank``). The flat bucket must outlive every HTTP call."""
+    serialized: list[dict] = []
+    original = weight_sync._serialize_shared
+
+    def record(obj):
+        serialized.append(obj)
+        return original(obj)
+
+    monkeypatch.setattr(weight_sync, "_serialize_shared", record)
     alive_during_call = []
 
     def on_call(url, path, payload):
         if path == "/update_weights_from_tensor":
-            alive_during_call.append(all(t.numel() for named in serialized for _, t in named))
+            flat = serialized[-1]["flattened_tensor"]
+            alive_during_call.append(flat.numel() == 64 and flat.view(torch.float32)[0] >= 0)
 
     pool = _RecordingPool(["http://a:1", "http://b:2"], on_call)
-    _sync(pool, monkeypatch, transport="tensor", tensor_serializer="sglang", engine_ranks=2)
+    _sync(pool, monkeypatch, transport="tensor", engine_ranks=2)
     bodies = [p for _, path, p in pool.calls if path == "/update_weights_from_tensor"]
     assert len(bodies) == 3 * 2  # 3 buckets (64-byte buckets of 64-byte tensors) x 2 servers
+    assert all(b["load_format"] == "flattened_bucket" for b in bodies)
     entries = [e for body in bodies for e in body["serialized_named_tensors"]]
     assert all(len(b["serialized_named_tensors"]) == 2 for b in bodies)
-    assert len(set(entries)) == len(entries) == len(serialized) == 12  # one call per entry
-    assert all(alive_during_call)
+    assert len(serialized) == 12  # one serialisation per entry: each carries its own refcount
+    assert all(alive_during_call) and len(alive_during_call) == 6
+    assert max(len(e) for e in entries) < 2000  # a handle, not the tensor's bytes
 
 
 def test_sglang_producer_patches_reductions_before_serialising():
@@ -180,7 +168,7 @@ def test_checksum_mode_fails_clearly_against_sglang(servers):
     )
     sync = WeightSync(
         HttpPool(HttpPoolConfig(urls=(server.url,))),
-        WeightSyncConfig(transport="tensor", tensor_serializer="torch_b64", checksum=True),
+        WeightSyncConfig(transport="tensor", checksum=True),
     )
     embedding = server.engine.model.get_input_embeddings().weight.detach().clone()
     named = [("model.embed_tokens.weight", embedding)]
@@ -194,10 +182,10 @@ def _sglang_routed_experts(routes_by_moe_layer: torch.Tensor, pattern: list[int]
     """Routes as SGLang 0.5.23 returns them: its device buffer sized by num_hidden_layers,
     written by ``capture`` for MoE layers only, read back ``[:T, :, :topk]``, encoded by the
     detokenizer's own base64 function."""
-    capturer = _class("srt/state_capturer/routed_experts.py", "RoutedExpertsCapturer")
+    capturer = class_node("srt/state_capturer/routed_experts.py", "RoutedExpertsCapturer")
     init = next(n for n in capturer.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assert "num_layers = model_config.hf_text_config.num_hidden_layers" in ast.unparse(init)
-    device_cache = _exec_class(
+    device_cache = load_class(
         "srt/state_capturer/base.py",
         "BaseDeviceCache",
         {"torch": torch, "logger": logging.getLogger("sglang"), "_MB": 1 << 20,
@@ -209,7 +197,7 @@ def _sglang_routed_experts(routes_by_moe_layer: torch.Tensor, pattern: list[int]
     for j, layer_id in enumerate(moe_layers):
         cache.capture(layer_id, routes_by_moe_layer[:, j].to(torch.int32))
     rows = cache.buffer[:tokens, :, :topk].clone()
-    detok = _class("srt/managers/detokenizer_manager.py", "DetokenizerManager")
+    detok = class_node("srt/managers/detokenizer_manager.py", "DetokenizerManager")
     encode_node = next(
         n
         for n in detok.body

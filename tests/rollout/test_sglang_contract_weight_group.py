@@ -3,9 +3,12 @@
 The server half is SGLang's ``init_custom_process_group`` (``sglang/srt/utils/common.py``),
 compiled from the pinned package's source by `sglang_source.load_function` and run in a child
 process exactly as SGLang's ``init_weights_update_group`` calls it (``tcp://`` init method,
-``rank = rank_offset + tp_rank``, ``group_name``). The trainer half is the project's
-`init_weight_group`. A group built any other way waits on store keys the other side never writes,
-so these tests fail by timeout (short here) rather than by a wrong answer.
+``rank = rank_offset + tp_rank``, ``group_name``), and it receives buckets with SGLang's own
+``WeightUpdater.receive_weights_from_distributed`` (per tensor, and ``flattened_bucket`` through
+SGLang's ``FlattenedTensorBucket``). The trainer half is the project's `init_weight_group`,
+`flat_bucket.flat_buckets` / `pack` and one broadcast per flat bucket. A group built any other
+way waits on store keys the other side never writes, so these tests fail by timeout (short here)
+rather than by a wrong answer.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import socket
 
 import pytest
 import torch
-from sglang_source import load_function
+from sglang_source import load_function, load_method, load_module
 
-from megatron_rl.rollout import weight_group
+from megatron_rl.rollout import flat_bucket, weight_group
 
 # The child process re-imports this module: heavier imports stay inside the tests.
 
@@ -37,8 +40,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _sglang_server_rank(conn, port: int, world_size: int, group_name: str, bucket) -> None:
-    """Child process: SGLang's server side (rank 1), then one bucket received and sent back."""
+def _sglang_receiver(group_name: str, group):
+    """SGLang's ``receive_weights_from_distributed``, bound to a stand-in ``self`` on CPU."""
+    updater = "srt/model_executor/model_runner_components/weight_updater.py"
+    bucket_module = load_module("srt/weight_sync/tensor_bucket.py", "sglang_tensor_bucket")
+    namespace = {"torch": torch, "FlattenedTensorBucket": bucket_module["FlattenedTensorBucket"]}
+    receive = load_method(updater, "WeightUpdater", "receive_weights_from_distributed", namespace)
+    bucketed = load_method(
+        updater, "WeightUpdater", "_receive_bucketed_weights_from_distributed", namespace
+    )
+    this = type("Updater", (), {"_receive_bucketed_weights_from_distributed": bucketed})()
+    this._model_update_group, this.device = {group_name: group}, "cpu"
+    return lambda **request: receive(this, **request)
+
+
+def _sglang_server_rank(conn, port: int, world_size: int, group_name: str, buckets) -> None:
+    """Child process: SGLang's server side (rank 1), then buckets received and sent back."""
     release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     init_custom_process_group = load_function(
         "srt/utils/common.py",
@@ -55,9 +72,15 @@ def _sglang_server_rank(conn, port: int, world_size: int, group_name: str, bucke
             rank=1,
             group_name=group_name,
         )
-        received = weight_group.receive_bucket(group, *bucket)
-        buffer = io.BytesIO()
-        torch.save(received, buffer)
+        receive = _sglang_receiver(group_name, group)
+        received = []
+        for names, dtypes, shapes, load_format in buckets:
+            received += receive(
+                names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                load_format=load_format,
+            )  # fmt: skip
+        buffer = io.BytesIO()  # views of one flat buffer: cloned to be saved one by one
+        torch.save([(n, t.clone()) for n, t in received], buffer)
         conn.send(("ok", buffer.getvalue()))
         torch.distributed.destroy_process_group(group)  # what SGLang's destroy endpoint does
     except Exception as err:
@@ -65,22 +88,34 @@ def _sglang_server_rank(conn, port: int, world_size: int, group_name: str, bucke
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("under_torchrun", [False, True], ids=["plain", "torchrun_agent_store"])
+@pytest.mark.parametrize(
+    "under_torchrun,flattened",
+    [(False, True), (True, True), (False, False)],
+    ids=["flattened", "flattened_torchrun_agent_store", "per_tensor"],
+)
 def test_trainer_group_interoperates_with_sglangs_init_custom_process_group(
-    monkeypatch, under_torchrun
+    monkeypatch, under_torchrun, flattened
 ):
     """Also under torchrun, whose agent-store setting would make a ``tcp://`` rendezvous on
-    rank 0 a mere client: the trainer must still host the store."""
+    rank 0 a mere client: the trainer must still host the store. Mixed dtypes: the int64
+    tensor would start unaligned after the bf16 one, so `flat_buckets` cuts a bucket there
+    (SGLang 0.5.23 refuses an unaligned start)."""
     port = _free_port()
     name = weight_group.unique_group_name("contract")
-    bucket = (
-        [n for n, _ in TENSORS],
-        [weight_group.dtype_name(t.dtype) for _, t in TENSORS],
-        [list(t.shape) for _, t in TENSORS],
-    )
+    buckets = list(flat_bucket.flat_buckets(TENSORS, bucket_bytes=1 << 20))
+    assert [len(b) for b in buckets] == [2, 1]
+    requests = [
+        (
+            [n for n, _ in bucket],
+            [weight_group.dtype_name(t.dtype) for _, t in bucket],
+            [list(t.shape) for _, t in bucket],
+            flat_bucket.FLATTENED if flattened else None,
+        )
+        for bucket in buckets
+    ]
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    server = context.Process(target=_sglang_server_rank, args=(child, port, 2, name, bucket))
+    server = context.Process(target=_sglang_server_rank, args=(child, port, 2, name, requests))
     server.start()
     try:
         assert parent.poll(120) and parent.recv()[0] == "ready"
@@ -95,8 +130,14 @@ def test_trainer_group_interoperates_with_sglangs_init_custom_process_group(
             group_name=name,
             timeout_s=TIMEOUT_S,
         )
-        for _, tensor in TENSORS:
-            weight_group.broadcast_tensor(group, tensor.clone())
+        for bucket in buckets:
+            if flattened:
+                flat = torch.empty(flat_bucket.bucket_slots(bucket)[-1].end, dtype=torch.uint8)
+                flat_bucket.pack(bucket, flat)
+                weight_group.broadcast_tensor(group, flat)
+            else:
+                for _, tensor in bucket:
+                    weight_group.broadcast_tensor(group, tensor.clone())
         assert parent.poll(TIMEOUT_S + 30), "SGLang's side never answered"
         status, blob = parent.recv()
         assert status == "ok", blob
@@ -127,9 +168,7 @@ def _sync(server_url: str, engine, version: int):
     from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
 
     pool = HttpPool(HttpPoolConfig(urls=(server_url,), request_timeout_s=60.0, backoff_s=0.01))
-    config = WeightSyncConfig(
-        transport="distributed", group_timeout_s=TIMEOUT_S, tensor_serializer="torch_b64"
-    )
+    config = WeightSyncConfig(transport="distributed", group_timeout_s=TIMEOUT_S)
     sync = WeightSync(pool, config)
     named = [(n, p.detach() + version) for n, p in list(engine.model.named_parameters())[:3]]
     sync.sync(named, version=version)

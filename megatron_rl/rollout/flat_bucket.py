@@ -1,0 +1,160 @@
+"""Buckets of tensors flattened into one byte buffer, in SGLang's ``flattened_bucket`` layout.
+
+With ``load_format="flattened_bucket"`` (SGLang >= 0.5.10, both ``/update_weights_from_tensor``
+and ``/update_weights_from_distributed``) a bucket travels as one uint8 tensor: SGLang's
+``FlattenedTensorBucket`` (``sglang/srt/weight_sync/tensor_bucket.py``) places the announced
+tensors back to back, tensor ``i`` at bytes ``[start_i, end_i)`` with ``start_0 = 0``,
+``end_i = start_i + numel_i * itemsize_i``, ``start_{i+1} = end_i``, and views each slice as its
+dtype and shape (0.5.23 refuses a ``start_i`` that is not a multiple of ``itemsize_i``). One
+broadcast or one shared buffer per bucket replaces one per tensor.
+
+`flat_buckets` cuts a stream into buckets whose layout is always aligned, `pack` copies a
+bucket into a buffer, `unpack` views it back, and `first_nonfinite` checks a packed bucket for
+NaN/Inf with one ``aminmax`` per run of same-dtype floating tensors (min and max propagate NaN
+and are never overflowed by finite values, so the check is exact; ~25 GB/s on one CPU core
+against ~0.3 GB/s for ``isfinite(t).all()``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+FLATTENED = "flattened_bucket"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one tensor lives in a flat bucket: bytes ``[start, end)``."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def layout(
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype | str],
+    shapes: Sequence[Sequence[int]],
+    *,
+    pad: bool = False,
+) -> list[Slot]:
+    """Slots of a bucket: back to back; ``pad=True`` rounds each start up to its itemsize.
+
+    Raises:
+        ValueError: lengths differ, a dimension is negative, or (``pad=False``) a start is not a
+            multiple of its itemsize (SGLang's layout has no padding; `flat_buckets` never makes
+            such a bucket).
+    """
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError(
+            f"bucket announces {len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes"
+        )
+    slots, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r} announces a negative dimension: {shape}")
+        if offset % dtype.itemsize:
+            if not pad:
+                raise ValueError(
+                    f"tensor {name!r} ({dtype}) would start at byte {offset}, not a multiple of "
+                    f"its itemsize {dtype.itemsize}: split the bucket there"
+                )
+            offset += dtype.itemsize - offset % dtype.itemsize
+        end = offset + torch.Size(shape).numel() * dtype.itemsize
+        slots.append(Slot(name, dtype, shape, offset, end))
+        offset = end
+    return slots
+
+
+def flat_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor travels alone), also
+    cut where a tensor would start at a byte offset its itemsize does not divide."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (size + nbytes > bucket_bytes or size % tensor.element_size()):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def bucket_slots(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[Slot]:
+    return layout(
+        [n for n, _ in bucket], [t.dtype for _, t in bucket], [t.shape for _, t in bucket]
+    )
+
+
+def pack(bucket: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor) -> list[Slot]:
+    """Copy ``bucket`` into ``out[: slots[-1].end]`` (uint8, contiguous, on any device).
+
+    Raises:
+        ValueError: ``out`` is too small or not a contiguous uint8 tensor.
+    """
+    slots = bucket_slots(bucket)
+    need = slots[-1].end if slots else 0
+    if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < need:
+        raise ValueError(
+            f"pack: out must be a contiguous uint8 tensor of >= {need} bytes, got "
+            f"{out.dtype} [{out.numel()}]"
+        )
+    for (_, tensor), slot in zip(bucket, slots, strict=True):
+        view(out, slot).copy_(tensor.detach())
+    return slots
+
+
+def view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """The tensor ``slot`` describes, as a view of ``flat`` (no copy)."""
+    return flat[slot.start : slot.end].view(slot.dtype).view(slot.shape)
+
+
+def unpack(flat: torch.Tensor, slots: Sequence[Slot]) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) for every slot (no copy)."""
+    return [(slot.name, view(flat, slot)) for slot in slots]
+
+
+def first_nonfinite(flat: torch.Tensor, slots: Sequence[Slot]) -> str | None:
+    """Name of the first tensor holding NaN or Inf, else None.
+
+    One ``aminmax`` per run of consecutive floating slots of one dtype (a run is contiguous in
+    ``flat``); only a run whose min or max is non-finite is searched tensor by tensor.
+    """
+    i = 0
+    while i < len(slots):
+        dtype = slots[i].dtype
+        j = i + 1
+        while j < len(slots) and slots[j].dtype == dtype and slots[j].start == slots[j - 1].end:
+            j += 1
+        if dtype.is_floating_point and slots[j - 1].end > slots[i].start:
+            run = flat[slots[i].start : slots[j - 1].end].view(dtype)
+            if not _finite(run):
+                for slot in slots[i:j]:
+                    if slot.end > slot.start and not _finite(view(flat, slot).reshape(-1)):
+                        return slot.name
+        i = j
+    return None
+
+
+def nonfinite_name(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first floating tensor holding NaN or Inf, else None (one pass each)."""
+    for name, tensor in named:
+        if tensor.is_floating_point() and tensor.numel() and not _finite(tensor.reshape(-1)):
+            return name
+    return None
+
+
+def _finite(values: torch.Tensor) -> bool:
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
