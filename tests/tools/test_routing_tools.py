@@ -1,7 +1,9 @@
-"""The routing benchmark runs end to end (quick sizes) and reports every measurement."""
+"""The routing benchmark runs end to end (quick sizes) and reports every measurement; its R3
+memory measurement tells a rank holding its own shard from one holding the whole batch."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -23,5 +25,39 @@ def test_bench_routing_quick_reports_codecs_step_time_and_memory():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    for expected in ("packed", "5.125", "R2 replay", "no replay", "own shard", "whole batch"):
+    for expected in (
+        "packed",
+        "5.125",
+        "R2 replay",
+        "no replay",
+        "paired ratio",
+        "own shard",
+        "whole batch",
+        "in use",
+        "claim",
+    ):
         assert expected in out, expected
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_r3_memory_arms_are_told_apart(monkeypatch):
+    """Bytes in use: own shard (+ one decoded micro-batch) < 0.75 x whole batch, on each rank."""
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    bench = importlib.import_module("bench_routing")
+    samples, length = 64, 128
+    results = bench.measure_memory(samples, length)
+    for rank in range(2):
+        none = results[("no replay", rank)]
+        own = results[("R3 own shard", rank)]
+        whole = results[("R3 whole batch", rank)]
+        # computed: each rank's blobs are half the batch, the whole-batch arm holds both halves
+        assert own["held"] == own["own"] == samples * (length - 1) * 8 * 8
+        assert whole["held"] == own["own"] + results[("R3 own shard", 1 - rank)]["own"]
+        assert none["held"] == 0 and own["decoded"] > 0
+        # measured: the arms in order, the own-shard arm within its bound
+        assert none["peak_delta"] < own["own"] / 4
+        assert own["own"] <= own["peak_delta"] <= 1.2 * (own["own"] + own["decoded"])
+        assert own["peak_delta"] < 0.75 * whole["peak_delta"]
+        assert whole["state_delta"] >= whole["held"]
+    assert bench.memory_verdict(results)[0]
