@@ -12,8 +12,10 @@
   8 bytes for uint8 and 32 for int32. Decoding returns the experts in ascending order (the set is
   what routing replay needs; Megatron gathers the gate probabilities at the given indices).
 
-Everything is vectorised torch (CPU or GPU): packing places each rank at its bit offset in a
-stream of int64 words (two word writes per set), with no per-bit expansion.
+Encoding is vectorised torch (CPU or GPU): packing places each rank at its bit offset in a
+stream of int64 words (two word writes per set), with no per-bit expansion. Packed decoding on
+CPU runs in numpy over cache-sized chunks (one unaligned 8-byte load per rank, a lookup-table
+root guess and one exact correction per expert); other devices use the torch path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
@@ -43,6 +46,19 @@ class RoutingBlob:
 
 def _max_value(dtype: torch.dtype) -> int:
     return torch.iinfo(dtype).max
+
+
+def _numpy_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """Uninitialised CPU tensor whose memory numpy allocates (None if numpy lacks ``dtype``).
+
+    numpy asks the kernel for transparent huge pages on large buffers and torch's allocator
+    does not, so filling a fresh ``[T, L, K]`` int64 output faults far fewer pages this way.
+    """
+    try:
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
+    return torch.from_numpy(np.empty(shape, dtype=np_dtype))
 
 
 class RoutingCodec:
@@ -70,6 +86,7 @@ class RoutingCodec:
             if _max_value(d) >= num_experts - 1
         )
         self._tables: dict[str, list[torch.Tensor]] = {}
+        self._luts: tuple[int, list[tuple[np.ndarray, ...]]] | None = None
         self.bits = (
             max(1, math.ceil(math.log2(math.comb(num_experts, topk)))) if dtype == "packed" else 0
         )
@@ -116,10 +133,20 @@ class RoutingCodec:
                 f"blob holds {blob.nbytes} bytes, but {blob.num_tokens} tokens x "
                 f"{blob.num_layers} layers need {self.nbytes(blob.num_tokens, blob.num_layers)}"
             )
+        shape = (blob.num_tokens, blob.num_layers, self.topk)
+        on_cpu = blob.data.device.type == "cpu"
         if self.codec != "packed":
-            return blob.data.to(dtype)
-        sets = self._unpack(blob.data, blob.num_tokens * blob.num_layers)
-        return sets.reshape(blob.num_tokens, blob.num_layers, self.topk).to(dtype)
+            out = _numpy_empty(shape, dtype) if on_cpu and blob.data.dtype != dtype else None
+            return blob.data.to(dtype) if out is None else out.copy_(blob.data)
+        num_items = blob.num_tokens * blob.num_layers
+        if on_cpu and self.bits <= 57 and self._lookup_tables() is not None:
+            out = _numpy_empty((num_items, self.topk), dtype)
+            if out is None:
+                out = _numpy_empty((num_items, self.topk), torch.int64)
+            self._decode_numpy(blob.data.contiguous().numpy(), out.numpy())
+            return out.reshape(shape).to(dtype)
+        sets = self._unrank(self._unpack(blob.data, num_items))
+        return sets.reshape(shape).to(dtype)
 
     def validate(self, routes_TLK: torch.Tensor) -> None:
         """``ValueError`` naming the first bad position: rank, top-k, range, repeats."""
@@ -222,6 +249,7 @@ class RoutingCodec:
         return words.view(torch.uint8)[:num_bytes].clone()
 
     def _unpack(self, data: torch.Tensor, num_items: int) -> torch.Tensor:
+        """torch path: int64 ranks ``[N]`` from the packed bytes (any device, any ``bits``)."""
         device = data.device
         padded = torch.zeros((data.numel() // 8 + 2) * 8, dtype=torch.uint8, device=device)
         padded[: data.numel()] = data
@@ -238,10 +266,11 @@ class RoutingCodec:
             word, shift = word[spill], shift[spill]
             low = (words[word] >> shift) & ((1 << (64 - shift)) - 1)
             ranks_N[spill] = low | ((words[word + 1] << (64 - shift)) & mask)
-        return self._unrank(ranks_N)
+        return ranks_N
 
     def _unrank(self, ranks_N: torch.Tensor) -> torch.Tensor:
-        """Invert the rank greedily, largest expert first: ``c_j = max{n : C(n, j) <= rem}``.
+        """torch path, ranks ``[N]`` -> sets ``[N, K]``; greedy, largest expert first:
+        ``c_j = max{n : C(n, j) <= rem}``.
 
         ``c_j`` starts from the float root ``(j! rem)^(1/j) + (j-1)/2`` (``C(n, j)`` ~
         ``(n - (j-1)/2)^j / j!``), then exact integer steps down/up against the table fix the
@@ -276,6 +305,101 @@ class RoutingCodec:
             remaining = remaining - value
         experts[0] = remaining  # C(n, 1) = n
         return experts.t()
+
+    # ---------------------------------------------------------------- packed decode, numpy (CPU)
+    _CHUNK = 16384  # items per chunk: a dozen int64 work buffers stay in a 1-2 MiB L2
+
+    def _lookup_tables(self) -> tuple[int, list[tuple[np.ndarray, ...]]] | None:
+        """Per ``j = K..2``: ``(guess, C(n, j), C(n + 1, j))`` and the bucket bits ``m``.
+
+        Bucket of ``rem >= 1``: the float64 bits of ``rem`` shifted right by ``52 - m``, i.e.
+        exponent and top ``m`` mantissa bits, minus ``(1023 << m) - 1`` (bucket 1 = ``rem == 1``;
+        ``rem == 0`` gives a negative index, clipped to 0). ``guess[b] = c_j(lo_b)``, with
+        ``c_j(x) = max{n : C(n, j) <= x}`` and ``lo_b`` the smallest integer that rounds into
+        ``b``. ``m`` is the least for which every bucket spans at most one step of ``c_j``, so
+        ``c_j(rem) = guess + [C(guess + 1, j) <= rem]`` exactly. None when ``m`` would exceed 10.
+        """
+        if self._luts is None:
+            self._luts = (0, [])
+            for m in range(1, 11):
+                tables = [self._lookup_table(j, m) for j in range(self.topk, 1, -1)]
+                if all(t is not None for t in tables):
+                    self._luts = (m, tables)
+                    break
+        return self._luts if self._luts[0] else None
+
+    def _lookup_table(self, j: int, m: int) -> tuple[np.ndarray, ...] | None:
+        cap = _max_value(torch.int64)
+        binom = np.array(
+            [min(math.comb(n, j), cap) for n in range(self.num_experts + 2)], dtype=np.int64
+        )
+        bucket = np.arange((self.bits + 1) << m, dtype=np.int64) + ((1023 << m) - 1)
+        lo = (bucket << (52 - m)).view(np.float64)
+        hi = ((bucket + 1) << (52 - m)).view(np.float64)
+        lo_int = np.ceil(lo - np.spacing(lo)).astype(np.int64)  # rounding up into the bucket
+        hi_int = np.ceil(hi).astype(np.int64) - 1
+        c_lo = np.searchsorted(binom, lo_int, side="right") - 1
+        c_hi = np.searchsorted(binom, hi_int, side="right") - 1
+        if int((c_hi - c_lo).max()) > 1:
+            return None
+        guess = np.minimum(c_lo, self.num_experts - 1)
+        guess[0] = j - 1  # rem == 0
+        return guess, binom, binom[1:].copy()
+
+    def _decode_numpy(self, data: np.ndarray, out_NK: np.ndarray) -> None:
+        """Packed bytes -> ascending sets in ``out_NK`` ``[N, K]`` (needs ``bits <= 57``).
+
+        Items ``8g + r`` start at bit ``bits * (8g + r)``: byte ``bits * g + (bits * r) // 8``,
+        shift ``(bits * r) % 8``; one unaligned little-endian 8-byte load holds the rank as
+        ``shift + bits <= 64``. Per chunk of ranks, for ``j = K..2``: ``c_j`` from the lookup
+        table, one exact correction, ``rem -= C(c_j, j)``; ``c_1 = rem``.
+        """
+        num_items, bits, topk = out_NK.shape[0], self.bits, self.topk
+        if num_items == 0:
+            return
+        m, tables = self._lookup_tables()
+        groups = (num_items + 7) // 8
+        padded = np.zeros(groups * bits + 8, dtype=np.uint8)
+        padded[: data.size] = data
+        loads = [
+            (
+                np.ndarray((groups,), np.uint64, padded, offset=bits * r // 8, strides=(bits,)),
+                np.uint64(bits * r % 8),
+            )
+            for r in range(8)
+        ]
+        chunk = self._CHUNK
+        rem = np.empty(chunk, dtype=np.int64)
+        rem_g8 = rem.view(np.uint64).reshape(-1, 8)
+        as_float, index, c_j, value = (
+            np.empty(chunk, dtype=t) for t in (np.float64, *[np.int64] * 3)
+        )
+        step = np.empty(chunk, dtype=bool)
+        mask, offset = np.uint64((1 << bits) - 1), (1023 << m) - 1
+        limit = math.comb(self.num_experts, topk)
+        for start in range(0, num_items, chunk):
+            n = min(chunk, num_items - start)
+            g0, g1 = start // 8, (start + n + 7) // 8
+            for r, (load, shift) in enumerate(loads):
+                np.right_shift(load[g0:g1], shift, out=rem_g8[: g1 - g0, r])
+            r_n = rem[:n]
+            np.bitwise_and(r_n.view(np.uint64), mask, out=r_n.view(np.uint64))
+            if int(r_n.max()) >= limit:
+                raise ValueError("packed routing data is corrupt: a rank does not decode to a set")
+            f_n, i_n, c_n, v_n, s_n = as_float[:n], index[:n], c_j[:n], value[:n], step[:n]
+            out_n = out_NK[start : start + n]
+            for j, (guess, binom, binom_next) in zip(range(topk, 1, -1), tables, strict=True):
+                np.copyto(f_n, r_n, casting="unsafe")
+                np.right_shift(f_n.view(np.int64), 52 - m, out=i_n)
+                np.subtract(i_n, offset, out=i_n)
+                np.take(guess, i_n, out=c_n, mode="clip")
+                np.take(binom_next, c_n, out=v_n, mode="clip")
+                np.less_equal(v_n, r_n, out=s_n)  # correction: c_j = guess + 1
+                np.add(c_n, s_n, out=c_n)
+                np.take(binom, c_n, out=v_n, mode="clip")
+                np.subtract(r_n, v_n, out=r_n)
+                np.copyto(out_n[:, j - 1], c_n, casting="unsafe")
+            np.copyto(out_n[:, 0], r_n, casting="unsafe")
 
 
 def _sorting_network(n: int) -> list[tuple[int, int]]:

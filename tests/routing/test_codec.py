@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -198,3 +200,124 @@ def test_empty_and_single_expert_inputs():
     one = RoutingCodec(1, 1, "packed")
     routes = torch.zeros(5, 2, 1, dtype=torch.int64)
     assert torch.equal(one.decode(one.encode(routes)), routes)
+
+
+# ---------------------------------------------------------------- packed decode vs brute force
+def pack_ranks(ranks, bits):
+    """Independent packer: rank ``i`` at bits ``[i*bits, (i+1)*bits)`` of a little-endian int."""
+    stream = sum(rank << (i * bits) for i, rank in enumerate(ranks))
+    return torch.tensor(
+        list(stream.to_bytes((len(ranks) * bits + 7) // 8, "little")), dtype=torch.uint8
+    )
+
+
+def brute_unrank(rank, num_experts, topk):
+    """Greedy with Python ints: ``c_j = max{n : C(n, j) <= rem}`` by bisection on ``n``."""
+    out = []
+    for j in range(topk, 0, -1):
+        lo, hi = j - 1, num_experts - 1  # C(j - 1, j) = 0 <= rank
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if math.comb(mid, j) <= rank else (lo, mid - 1)
+        out.append(lo)
+        rank -= math.comb(lo, j)
+    return out[::-1]
+
+
+def rank_of(ascending):
+    return sum(math.comb(c, j) for j, c in enumerate(ascending, start=1))
+
+
+def decode_ranks(codec, ranks, dtype=torch.int64):
+    blob = type(codec.encode(torch.zeros(0, 1, codec.topk, dtype=torch.int64)))(
+        pack_ranks(ranks, codec.bits), "packed", len(ranks), 1
+    )
+    return codec.decode(blob, dtype).reshape(len(ranks), codec.topk)
+
+
+def threshold_sets(num_experts, topk):
+    """For every level ``j`` and expert ``n``: the sets whose remainder at level ``j`` is exactly
+    ``C(n, j)`` (lower experts ``0..j-2``) or ``C(n + 1, j) - 1`` (lower experts ``n-j+1..n-1``),
+    with the top ``K - j`` experts at ``E-K+j..E-1``; includes expert 0, expert E-1, rank 0 and
+    rank ``C(E, K) - 1``."""
+    sets = []
+    for j in range(1, topk + 1):
+        top = list(range(num_experts - topk + j, num_experts))
+        for n in range(j - 1, num_experts - topk + j):
+            sets.append([*range(j - 1), n, *top])
+            sets.append([*range(n - j + 1, n + 1), *top])
+    return sets
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "topk"), [(1, 1), (6, 1), (6, 6), (7, 3), (10, 4), (12, 2), (9, 8)]
+)
+def test_packed_decode_equals_colex_enumeration(num_experts, topk):
+    """Exhaustive: rank r decodes to the r-th K-subset in colex order (itertools, re-sorted)."""
+    colex = sorted(itertools.combinations(range(num_experts), topk), key=lambda c: c[::-1])
+    codec = RoutingCodec(num_experts, topk, "packed")
+    decoded = decode_ranks(codec, list(range(len(colex))))
+    assert decoded.tolist() == [list(c) for c in colex]
+
+
+@pytest.mark.parametrize(
+    ("num_experts", "topk"),
+    [
+        (128, 8),
+        (256, 8),
+        (512, 8),
+        (300, 8),
+        (64, 6),
+        (1000, 4),
+        (128, 1),
+        (16, 16),
+        (5000, 2),
+        (2500, 6),
+    ],
+)
+def test_packed_decode_equals_brute_force_unrank(num_experts, topk):
+    """Both sides of every binomial threshold at every level, plus random ranks; the numpy path
+    (CPU), the torch path, and the fallbacks (no lookup table for 5000 experts, 59 bits)."""
+    rng = random.Random(num_experts * 100 + topk)
+    limit = math.comb(num_experts, topk)
+    sets = threshold_sets(num_experts, topk)
+    ranks = [rank_of(s) for s in sets] + [rng.randrange(limit) for _ in range(1000)]
+    ranks = [*ranks, 0, limit - 1]
+    expected = [brute_unrank(r, num_experts, topk) for r in ranks]
+    assert all(brute_unrank(rank_of(s), num_experts, topk) == s for s in sets)
+    codec = RoutingCodec(num_experts, topk, "packed")
+    assert decode_ranks(codec, ranks).tolist() == expected
+    torch_path = codec._unrank(codec._unpack(pack_ranks(ranks, codec.bits), len(ranks)))
+    assert torch_path.tolist() == expected
+
+
+def test_lookup_guess_needs_exactly_one_correction():
+    """The table guess is ``c_j`` or ``c_j - 1``, and both occur: the correction step is live."""
+    codec = RoutingCodec(128, 8, "packed")
+    m, tables = codec._lookup_tables()
+    low = exact = 0
+    for j, (guess, binom, _) in zip(range(8, 1, -1), tables, strict=True):
+        rems = sorted(
+            {v + d for v in binom[j - 1 : 129].tolist() for d in (-1, 0, 1) if v + d >= 0}
+        )
+        rems = [r for r in rems if r < 2**41]
+        floats = torch.tensor(rems, dtype=torch.float64).numpy().view("int64")
+        index = ((floats >> (52 - m)) - ((1023 << m) - 1)).clip(0)
+        for rem, g in zip(rems, guess[index].tolist(), strict=True):
+            c = max(n for n in range(129) if math.comb(n, j) <= rem)
+            assert g in (c, c - 1)
+            low, exact = low + (g == c - 1), exact + (g == c)
+    assert low > 0 and exact > 0
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int32, torch.int16, torch.uint8, torch.bfloat16]
+)
+@pytest.mark.parametrize("codec_name", ["uint8", "int32", "packed"])
+def test_decode_dtypes_match_a_plain_cast(codec_name, dtype):
+    routes = random_routes(37, 3, 128, 8, seed=5)
+    codec = RoutingCodec(128, 8, codec_name)
+    decoded = codec.decode(codec.encode(routes), dtype)
+    reference = routes.sort(dim=-1).values if codec_name == "packed" else routes
+    assert decoded.dtype == dtype and decoded.shape == routes.shape
+    assert torch.equal(decoded, reference.to(dtype))
