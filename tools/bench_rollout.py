@@ -1,15 +1,13 @@
-"""Rollout bridge on CPU: generation speed, weight-sync bandwidth, HTTP client overhead.
+"""Rollout bridge on CPU: generation speed and HTTP client overhead.
 
     python tools/bench_rollout.py [--prompts 16] [--n 2] [--new-tokens 32] [--hidden 64]
                                   [--repeats 3] [--threads N] [--json out.json]
 
+Weight-sync throughput has its own tool, ``tools/bench_weight_sync.py`` (against the limits).
+
 1. Tokens/s of the in-process engine (fp32 and bf16, with and without routed-expert capture):
    generated response tokens over wall time of ``generate``, median of ``--repeats``.
-2. Weight sync MB/s per transport (in-process, disk, tensor, distributed over gloo): a
-   megatron-core model of the ``tiny`` preset (``--hidden`` scales it) streamed through
-   ``iter_hf_tensors`` into a loopback server; bytes sent over wall time of the whole sync
-   (pause, flush, buckets, version update and check, continue), median of ``--repeats``.
-3. HTTP overhead: the same batch through ``SGLangEngine`` -> loopback server -> the same engine,
+2. HTTP overhead: the same batch through ``SGLangEngine`` -> loopback server -> the same engine,
    against calling the engine directly, batched and one sample at a time (the loopback server
    answers one sample per request, so "batched" includes lost cross-sample batching).
 """
@@ -19,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 
 import torch
@@ -31,7 +28,6 @@ from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig, Sampling
 from megatron_rl.rollout.http_pool import HttpPoolConfig
 from megatron_rl.rollout.loopback_server import LoopbackServer
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
-from megatron_rl.rollout.weight_sync import WeightSyncConfig
 
 
 def median_time(fn, repeats: int) -> float:
@@ -102,60 +98,6 @@ def bench_http_overhead(args, config, prompts) -> dict:
     }
 
 
-def bench_sync(args, config) -> list[dict]:
-    from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
-    from megatron_rl.model import build_model
-    from megatron_rl.model.conversion import iter_hf_tensors
-
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        init_distributed(ParallelConfig(), init_method=f"file://{tmp}/rdzv", device="cpu")
-        try:
-            model = build_model(config).eval()
-            engine = InProcessEngine.from_hf_config(config)
-            total = sum(t.numel() * t.element_size() for _, t in iter_hf_tensors(model, config))
-            version = [0]
-
-            def direct():
-                version[0] += 1
-                engine.update_weights(iter_hf_tensors(model, config), version=version[0])
-
-            seconds = median_time(direct, args.repeats)
-            rows.append(
-                {"transport": "in-process", "mb": total / 1e6, "buckets": 1, "seconds": seconds,
-                 "mb_per_s": total / 1e6 / seconds}
-            )  # fmt: skip
-            with LoopbackServer(engine) as server:
-                for transport in ("disk", "tensor", "distributed"):
-                    rows.append(_sync_row(args, config, model, server, transport, tmp, version))
-        finally:
-            destroy_distributed()
-    return rows
-
-
-def _sync_row(args, config, model, server, transport, tmp, version) -> dict:
-    from megatron_rl.model.conversion import iter_hf_tensors
-
-    sync = WeightSyncConfig(
-        transport=transport,
-        disk_dir=tmp,
-        bucket_bytes=args.bucket_mb * 1024**2,
-    )
-    client_config = SGLangEngineConfig.from_hf_config(
-        config, http=HttpPoolConfig(urls=(server.url,)), sync=sync
-    )
-    reports = []
-    with SGLangEngine(client_config, hf_config=config) as client:
-        for _ in range(args.repeats):
-            version[0] += 1
-            client.update_weights(iter_hf_tensors(model, config), version=version[0])
-            reports.append(client.last_sync)
-    seconds = statistics.median(r.seconds for r in reports)
-    mb = reports[0].num_bytes / 1e6
-    return {"transport": transport, "mb": mb, "buckets": reports[0].num_buckets,
-            "seconds": seconds, "mb_per_s": mb / seconds}  # fmt: skip
-
-
 def report(results: dict, args) -> None:
     console = Console()
     table = Table(title=f"in-process generation ({args.prompts} prompts x {args.n})")
@@ -165,15 +107,6 @@ def report(results: dict, args) -> None:
         table.add_row(
             r["dtype"], str(r["routes"]), str(r["tokens"]), f"{r['seconds']:.2f}",
             f"{r['tokens_per_s']:.0f}",
-        )  # fmt: skip
-    console.print(table)
-    table = Table(title="weight sync (CPU)")
-    for col in ("transport", "MB", "buckets", "s", "MB/s"):
-        table.add_column(col)
-    for r in results["sync"]:
-        table.add_row(
-            r["transport"], f"{r['mb']:.1f}", str(r["buckets"]), f"{r['seconds']:.3f}",
-            f"{r['mb_per_s']:.1f}",
         )  # fmt: skip
     console.print(table)
     h = results["http"]
@@ -191,7 +124,6 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--bucket-mb", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
@@ -207,7 +139,6 @@ def main() -> None:
     results = {
         "generation": bench_generation(args, config, prompts),
         "http": bench_http_overhead(args, config, prompts),
-        "sync": bench_sync(args, config),
         "torch_threads": torch.get_num_threads(),
     }
     report(results, args)

@@ -438,8 +438,8 @@ class _SafeUnpickler(pickle.Unpickler):
             ("torch", "Size"),
             ("torch", "dtype"),
             ("torch", "UntypedStorage"),
-        ("torch.storage", "UntypedStorage"),
-        ("torch.storage", "TypedStorage"),
+            ("torch.storage", "UntypedStorage"),
+            ("torch.storage", "TypedStorage"),
             ("torch", "Tensor"),
             ("torch._utils", "_rebuild_tensor"),
             ("torch._utils", "_rebuild_tensor_v2"),
@@ -449,7 +449,7 @@ class _SafeUnpickler(pickle.Unpickler):
             ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
             ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
             ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-        ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
+            ("torch.multiprocessing.reductions", "rebuild_typed_storage_child"),
             ("multiprocessing.resource_sharer", "DupFd"),
         }
         | {("torch", str(d).removeprefix("torch.")) for d in _DTYPES}

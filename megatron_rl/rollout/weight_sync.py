@@ -165,7 +165,10 @@ class WeightSync:
         self._live: list[str] = list(pool.members())  # the servers in the sync under way
         self._failed: dict[str, str] = {}  # url -> why, in the sync under way
         self._version = 0
-        self._staging: torch.Tensor | None = None  # uint8, reused across buckets and syncs
+        # uint8 staging buffers, reused across buckets and syncs (two: one packs while the
+        # other is on the wire)
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._written: list[str] = []  # weight folders of the disk transport, oldest first
         self.dropped_total = 0  # servers dropped by syncs so far (a metric)
         self.rejoined_total = 0  # dropped servers admitted again after a full sync
 
@@ -349,37 +352,58 @@ class WeightSync:
         once (which also frees the members stuck in the broadcast), the failed members leave
         the sync, and the same bucket is sent again over a group rebuilt from the survivors
         (buckets already loaded stay loaded; loading is idempotent).
+
+        Double-buffered: the next bucket is packed and checked while this one is on the wire
+        and being loaded (two staging buffers of at most ``bucket_bytes``).
         """
         del version
         cfg = self.config
         device = _current_cuda() if cfg.backend == "nccl" else torch.device("cpu")
+        buckets = iter(flat_buckets(stream, cfg.bucket_bytes))
         try:
-            for bucket in flat_buckets(stream, cfg.bucket_bytes):
+            staged, index = self._stage_next(buckets, device, 0), 0
+            while staged is not None:
                 report.num_buckets += 1
-                flat, slots = self._stage(bucket, device)
+                ahead: dict = {}
+
+                def prefetch(index=index, ahead=ahead):
+                    try:
+                        ahead["staged"] = self._stage_next(buckets, device, 1 - index)
+                    except BaseException as err:  # raised once this bucket is through
+                        ahead["error"] = err
+
                 for _ in range(len(self.pool.config.urls) + 1):
                     self._require()
                     if self.group is None or self._group_urls != tuple(self._live):
                         self._destroy_group()
                         self._init_group()
-                    if self._send_bucket(flat, slots):
+                    if self._send_bucket(*staged, meanwhile=None if ahead else prefetch):
                         break
                 else:  # pragma: no cover - every retry drops at least one server
                     raise WeightSyncError("a bucket failed on every rebuilt weight group")
+                if not ahead:
+                    prefetch()
+                if "error" in ahead:
+                    raise ahead["error"]
+                staged, index = ahead["staged"], 1 - index
         except BaseException:
             # Ranks may be mid-broadcast: the group cannot be trusted any more. The next sync
             # builds a fresh one under a new name.
             self._destroy_group()
             raise
 
-    def _stage(self, bucket, device: torch.device, *, shared: bool = False):
-        """Pack ``bucket`` into the staging buffer (grown when too small; ``shared``: a
+    def _stage_next(self, buckets, device: torch.device, index: int):
+        bucket = next(buckets, None)
+        return None if bucket is None else self._stage(bucket, device, index=index)
+
+    def _stage(self, bucket, device: torch.device, *, index: int = 0, shared: bool = False):
+        """Pack ``bucket`` into staging buffer ``index`` (grown when too small; ``shared``: a
         shared-memory file on CPU) and check it for NaN/Inf; (flat bucket, slots)."""
         slots = flat_bucket.bucket_slots(bucket)
         need = slots[-1].end
-        staging = self._staging
+        staging = self._staging[index]
         if staging is None or staging.numel() < need or staging.device != device:
-            self._staging = None
+            self._staging[index] = None
             if shared and device.type == "cpu":
                 with _file_system_sharing():
                     storage = torch.UntypedStorage._new_shared(need)
@@ -387,7 +411,7 @@ class WeightSync:
             else:
                 staging = torch.empty(need, dtype=torch.uint8, device=device)
             if need <= self.config.bucket_bytes:  # a one-off larger buffer is not kept
-                self._staging = staging
+                self._staging[index] = staging
         flat = staging[:need]
         flat_bucket.pack(bucket, flat)
         bad = flat_bucket.first_nonfinite(flat, slots)
@@ -398,8 +422,10 @@ class WeightSync:
             )
         return flat, slots
 
-    def _send_bucket(self, flat: torch.Tensor, slots) -> bool:
-        """One bucket over the current group; False (group destroyed, failures out) on error."""
+    def _send_bucket(self, flat: torch.Tensor, slots, *, meanwhile=None) -> bool:
+        """One bucket over the current group; False (group destroyed, failures out) on error.
+
+        ``meanwhile()`` runs here once the broadcast is under way (it must not raise)."""
         urls = list(self._group_urls)
         payload = {
             "names": [s.name for s in slots],
@@ -413,7 +439,7 @@ class WeightSync:
         futures = [self._threads.submit(self.pool.call_on, u, "POST", path, payload) for u in urls]
         broken = None
         try:
-            self._broadcast(flat, urls, futures)
+            self._broadcast(flat, urls, futures, meanwhile)
         except Exception as err:  # a member left mid-broadcast (gloo: "closed by peer")
             broken = err
         if broken is None:
@@ -441,12 +467,14 @@ class WeightSync:
             ) from broken
         return False
 
-    def _broadcast(self, tensor: torch.Tensor, urls, futures) -> None:
+    def _broadcast(self, tensor: torch.Tensor, urls, futures, meanwhile=None) -> None:
         """`broadcast_tensor`, but given up as soon as a member's call has failed (that member
         will never receive, and the broadcast would wait for it until the group timeout)."""
         options = torch.distributed.BroadcastOptions()
         options.rootRank = 0
         work = self.group.broadcast([tensor], options)
+        if meanwhile is not None:
+            meanwhile()
         while not work.is_completed():
             for url, future in zip(urls, futures, strict=True):
                 if future.done() and (why := _failure(future)) is not None:
@@ -549,7 +577,7 @@ class WeightSync:
         for bucket in flat_buckets(stream, cfg.bucket_bytes):
             report.num_buckets += 1
             if on_gpu:
-                self._staging = None  # one buffer per bucket under CUDA IPC
+                self._staging[0] = None  # one buffer per bucket under CUDA IPC
             flat, slots = self._stage(bucket, device, shared=True)
             obj = {"flattened_tensor": flat, "metadata": [_metadata(s) for s in slots]}
             payloads = [
@@ -564,14 +592,21 @@ class WeightSync:
             self._phase("/update_weights_from_tensor", payloads, "update_weights_from_tensor")
             del obj, payloads, flat
         if on_gpu:
-            self._staging = None
+            self._staging[0] = None
 
     def _disk(self, stream, report: SyncReport, version: int) -> None:
+        """Safetensors shards in ``weights-v{version}`` (written under a temporary name, then
+        renamed). Folders this sync wrote before are removed except the newest, which the
+        servers run on and SGLang reloads if this update fails: at most two versions on disk.
+        """
         from megatron_rl.atomic_io import atomic_write_text
         from megatron_rl.model.conversion.safetensors_io import write_checkpoint
 
         root = os.fspath(self.config.disk_dir)
         final = os.path.join(root, f"weights-v{version}")
+        for old in self._written[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+        self._written = [w for w in self._written[-1:] if w != final]
         tmp = os.path.join(root, f".weights-v{version}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -587,6 +622,7 @@ class WeightSync:
             atomic_write_text(os.path.join(tmp, "config.json"), json.dumps(config, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        self._written.append(final)
         payload = {"model_path": final, "load_format": "auto"}
         self._phase("/update_weights_from_disk", payload, "update_weights_from_disk")
 
@@ -601,7 +637,7 @@ class WeightSync:
             yield name, tensor
 
     def close(self) -> None:
-        self._staging = None
+        self._staging = [None, None]
         self._destroy_group()
         self._threads.shutdown(wait=False)
 

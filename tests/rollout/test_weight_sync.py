@@ -172,6 +172,16 @@ def test_nan_is_refused_by_the_sender_before_it_reaches_a_server(
     assert not list(tmp_path.glob("weights-v1*"))
 
 
+def test_disk_keeps_the_serving_version_and_the_new_one_only(trainer, servers, tmp_path):
+    engine = make_engine(seed=0)
+    (server,) = servers(1, engine=engine)
+    with client_for(server, trainer[1], transport="disk", disk_dir=str(tmp_path)) as client:
+        for version in (1, 2, 3):
+            client.update_weights(hf_stream(trainer), version=version)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights-v2", "weights-v3"]
+    assert engine.weight_version == 3
+
+
 def test_checksum_mismatch_is_detected(trainer, servers):
     engine = make_engine(seed=0)
     (server,) = servers(1, engine=engine)
