@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import sys
 import tempfile
 import uuid
 from typing import Any
@@ -245,14 +246,28 @@ def _init_wandb(config: RunLoggerConfig, run_config: dict | None, *, resuming: b
     )
 
 
+def _may_be_terminal() -> bool:
+    """False only where rich's ``Console().is_terminal`` is False too (stdout not a TTY and no
+    FORCE_COLOR / TTY_COMPATIBLE override), so that CI and log files skip importing rich."""
+    if any(key in os.environ for key in ("FORCE_COLOR", "TTY_COMPATIBLE")):
+        return True
+    isatty = getattr(sys.stdout, "isatty", None)
+    try:
+        return isatty is not None and isatty()
+    except ValueError:  # closed stdout
+        return False
+
+
 class _Progress:
     """A rich progress bar on a terminal; one log line per step when stdout is not a TTY (CI)."""
 
     def __init__(self, config: RunLoggerConfig, initial_step: int) -> None:
-        from rich.console import Console
-
         self.config = config
         self._bar = None
+        if not _may_be_terminal():
+            return
+        from rich.console import Console
+
         console = Console()
         if console.is_terminal:
             from rich.progress import (
