@@ -11,8 +11,8 @@ thread everywhere. Every repeat runs every arm once, in a rotating order:
   buckets, engine load, version update and check, continue), bytes / wall time;
 - limits: ``gloo`` = the same bytes broadcast in buckets of the same size to a second process
   over a gloo group (what ``distributed`` moves, without HTTP or loading), ``safetensors`` = the
-  same tensors saved in shards of the bucket size and read back (``disk`` without HTTP or
-  loading), ``memcpy`` = one copy of every tensor (a load's floor).
+  same tensors saved in shards of the bucket size and read back into memory (``disk`` without
+  HTTP, fsync or version folders), ``memcpy`` = one copy of every tensor (a load's floor).
 
 Ratios are paired per repeat (project time / limit time of the same repeat): median
 [min-max]. ``--old-tree DIR``: a checkout of an older commit measured by the same script in a
@@ -137,6 +137,7 @@ def measure(hidden: int, repeats: int, bucket_bytes: int, disk_root: str) -> dic
             total = sum(t.numel() * t.element_size() for _, t in named)
             engine = InProcessEngine.from_hf_config(config)
             targets = [torch.empty_like(t) for _, t in named]
+            index = {name: i for i, (name, _) in enumerate(named)}
             gloo = GlooLimit(_bucket_sizes(named, bucket_bytes), rounds=repeats + 1)
             server = LoopbackServer(engine).start()
             clients = {}
@@ -167,10 +168,10 @@ def measure(hidden: int, repeats: int, bucket_bytes: int, disk_root: str) -> dic
                         shard, size = {}, 0
                     if tensor is not None:
                         shard[name], size = tensor, size + nbytes
-                for path in files:
+                for path in files:  # read back into memory (get_tensor maps lazily)
                     with safe_open(path, framework="pt") as handle:
                         for key in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                            handle.get_tensor(key)
+                            targets[index[key]].copy_(handle.get_tensor(key))
 
             def memcpy():
                 for target, (_, tensor) in zip(targets, named, strict=True):

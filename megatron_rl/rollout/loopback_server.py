@@ -486,8 +486,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--torch-threads", type=int, default=None, help="intra-op threads (default: auto)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
+    from megatron_rl.threads import configure_threads
+
+    configure_threads(args.torch_threads)  # the cores left, not torch's one per core
     engine = InProcessEngine.from_hf_config(preset_config(args.preset), seed=args.seed)
     server = LoopbackServer(engine, port=args.port)
     logger.info("loopback server on %s", server.url)

@@ -169,6 +169,7 @@ class WeightSync:
         # other is on the wire)
         self._staging: list[torch.Tensor | None] = [None, None]
         self._written: list[str] = []  # weight folders of the disk transport, oldest first
+        self._pruning: concurrent.futures.Future | None = None
         self.dropped_total = 0  # servers dropped by syncs so far (a metric)
         self.rejoined_total = 0  # dropped servers admitted again after a full sync
 
@@ -604,9 +605,11 @@ class WeightSync:
 
         root = os.fspath(self.config.disk_dir)
         final = os.path.join(root, f"weights-v{version}")
-        for old in self._written[:-1]:
-            shutil.rmtree(old, ignore_errors=True)
-        self._written = [w for w in self._written[-1:] if w != final]
+        if self._pruning is not None:
+            self._pruning.result()
+        # freeing hundreds of MB takes a while: done beside this sync
+        stale, self._written = self._written[:-1], [w for w in self._written[-1:] if w != final]
+        self._pruning = self._threads.submit(_remove_folders, stale)
         tmp = os.path.join(root, f".weights-v{version}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -638,6 +641,8 @@ class WeightSync:
 
     def close(self) -> None:
         self._staging = [None, None]
+        if self._pruning is not None:
+            self._pruning.result()
         self._destroy_group()
         self._threads.shutdown(wait=False)
 
@@ -651,6 +656,11 @@ def _failure(future) -> str | None:
     if isinstance(answer, dict) and answer.get("success") is False:
         return f"success=false: {answer.get('message')}"
     return None
+
+
+def _remove_folders(folders: list[str]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _current_cuda() -> torch.device:
