@@ -61,10 +61,8 @@ def karmarkar_karp(weights: Sequence[int], k: int, equal_size: bool = False) -> 
         return [[] for _ in range(k)]
     # a partial solution: (sum, item indices) per subset, sorted by sum descending
     order = sorted(range(n), key=lambda i: (weights[i], i))
-    if equal_size:
-        groups = [order[g : g + k] for g in range(0, n, k)]
-    else:
-        groups = [[i] for i in order]
+    step = k if equal_size else 1
+    groups = [order[g : g + step] for g in range(0, n, step)]
     heap = []
     for tie, group in enumerate(groups):
         subsets = [(weights[i], [i]) for i in group] + [(0, []) for _ in range(k - len(group))]
