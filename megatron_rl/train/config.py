@@ -59,6 +59,11 @@ class TrainConfig:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
     overlap_grad_reduce: bool = False  # reduce gradients during the last micro-batch's backward
+    # token balancing (see megatron_rl/train/balance.py): micro-batches by a padded-token budget
+    # instead of --micro-batch-size rows (None or 0: off), and every mini-batch's samples
+    # re-split over the data-parallel ranks by token count (Karmarkar-Karp, equal counts)
+    max_tokens_per_gpu: int | None = None
+    balance_data: bool = False
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -160,6 +165,13 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)}={value!r}: must be an integer >= 1")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"--max-prompt-length={self.max_prompt_length}: must be >= 1")
+        if self.max_tokens_per_gpu is not None and not (
+            isinstance(self.max_tokens_per_gpu, int) and self.max_tokens_per_gpu >= 0
+        ):
+            raise ValueError(
+                f"--max-tokens-per-gpu={self.max_tokens_per_gpu!r}: must be an integer >= 1 "
+                "(padded tokens per micro-batch), or 0 to keep --micro-batch-size rows"
+            )
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"--torch-threads={self.torch_threads}: must be >= 1")
         if self.sglang_request_timeout is not None and not self.sglang_request_timeout > 0:
@@ -227,7 +239,7 @@ class TrainConfig:
             )
         if self.routing_record_only and self.routing_replay == "off":
             raise ValueError("--routing-record-only needs --routing-replay r2 or r3")
-        if self.global_batch_size % self.micro_batch_size:
+        if not self.token_budget and self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"--global-batch-size {self.global_batch_size} is not a multiple of "
                 f"--micro-batch-size {self.micro_batch_size}"
@@ -356,6 +368,11 @@ class TrainConfig:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
     @property
+    def token_budget(self) -> int | None:
+        """Padded tokens per micro-batch (--max-tokens-per-gpu); None: fixed-row micro-batches."""
+        return self.max_tokens_per_gpu or None
+
+    @property
     def updates_per_rollout(self) -> int:
         """The staleness ratio N: sequential optimizer steps per rollout."""
         return self.samples_per_rollout // self.global_batch_size
@@ -374,7 +391,12 @@ class TrainConfig:
                 f"{dense} or by expert x pipeline; change the parallel sizes or the rank count"
             )
         dp = world_size // dense
-        if self.global_batch_size % (self.micro_batch_size * dp):
+        if self.token_budget and self.global_batch_size % dp:
+            raise ValueError(
+                f"--global-batch-size {self.global_batch_size} does not split over {dp} "
+                "data-parallel ranks; choose a multiple of the data-parallel size"
+            )
+        if not self.token_budget and self.global_batch_size % (self.micro_batch_size * dp):
             raise ValueError(
                 f"--global-batch-size {self.global_batch_size} is not divisible by "
                 f"--micro-batch-size x data-parallel size = {self.micro_batch_size} x {dp}"
@@ -447,6 +469,21 @@ def build_parser() -> argparse.ArgumentParser:
         add(g, name)
     add(g, "use-distributed-optimizer", action="store_true", help="shard Adam state over DP ranks")
     add(g, "overlap-grad-reduce", action="store_true", help="overlap DP grad reduction, backward")
+    add(
+        g,
+        "max-tokens-per-gpu",
+        type=int,
+        help="micro-batches by token budget: rows sorted by length are grouped so that rows x "
+        "longest row (padded) stays within this (a longer sample goes alone); replaces "
+        "--micro-batch-size; 0 or unset: --micro-batch-size rows (padding, no THD packing)",
+    )
+    add(
+        g,
+        "balance-data",
+        action="store_true",
+        help="re-split every mini-batch's samples over the data-parallel ranks by token count "
+        "(Karmarkar-Karp, equal sample counts); the optimizer step sees the same samples",
+    )
 
     g = parser.add_argument_group("RL objective")
     add(g, "loss", choices=available_losses())

@@ -8,6 +8,14 @@ Data parallelism: every data-parallel replica generates and trains on its own pr
 the global token/sequence counts of each optimizer step, so summing the replicas' gradients
 (megatron's DDP averages, hence the ``* dp`` below) reproduces the full-batch gradient. Every
 tensor the model, the loss or a collective sees is on ``self.device``.
+
+Token balancing (`megatron_rl/train/balance.py`): with ``--balance-data`` the samples of every
+mini-batch are gathered over the data-parallel ranks and re-split by token count (Karmarkar-Karp,
+equal sample counts), so mini-batch ``j`` is the same global set and the step the same gradient;
+with ``--max-tokens-per-gpu`` a rank's micro-batches are formed by a padded-token budget, so ranks
+may run different numbers of micro-batches (the gradient reduction still happens once, after
+each rank's last one). Micro-batches are padded; THD packing (cu_seqlens) needs Transformer
+Engine's attention and is not implemented.
 """
 
 from __future__ import annotations
@@ -25,13 +33,19 @@ from megatron.core import parallel_state
 
 from megatron_rl.backend import destroy_distributed, init_distributed
 from megatron_rl.backend.optimizer import build_optimizer, wrap_for_training
-from megatron_rl.collectives import all_ranks_agree, mean_over_ranks, sum_over_ranks
+from megatron_rl.collectives import (
+    all_gather_objects,
+    all_ranks_agree,
+    mean_over_ranks,
+    sum_over_ranks,
+)
 from megatron_rl.losses import rollout_correction
 from megatron_rl.model import build_model
 from megatron_rl.model.conversion import iter_hf_tensors
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
+from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.engines import build_engine
@@ -157,20 +171,19 @@ class Trainer:
     ) -> dict[str, float]:
         """Old-logprob pass and the N optimizer steps over this rank's ``samples``.
 
-        Each data-parallel rank passes its own share of the global batch; returns this rank's
-        metrics (not yet averaged over ranks). ``should_stop``: see `step`.
+        Each data-parallel rank passes its own share of the global batch (consecutive chunks of
+        ``global_batch_size / dp`` samples: chunk ``j`` of every rank makes mini-batch ``j``);
+        returns this rank's metrics (not yet averaged over ranks). ``should_stop``: see `step`.
         """
         metrics: dict[str, float] = {}
-        mini = self.config.global_batch_size // self.dp
-        batches = [
-            [
-                make_micro_batch(chunk, self.tokenizer.pad_token_id, self.seq_multiple).to(
-                    self.device
-                )
-                for chunk in split(minibatch, self.config.micro_batch_size)
-            ]
-            for minibatch in split(samples, mini)
-        ]
+        minibatches = split(samples, self.config.global_batch_size // self.dp)
+        if self.config.balance_data and self.dp > 1:
+            minibatches = self._balance(minibatches, metrics)
+        batches = [self._micro_batches(minibatch) for minibatch in minibatches]
+        real = sum(sum(mb.lengths) for row in batches for mb in row)
+        padded = sum(mb.tokens_BS.numel() for row in batches for mb in row)
+        metrics["batch/padding_waste"] = padded / real - 1.0 if real else 0.0  # pad per real token
+        metrics["batch/micro_batches"] = float(sum(len(row) for row in batches))
         t = time.perf_counter()
         behaviour = self._old_logprob_pass(batches, metrics)
         metrics["time/old_logprob"] = time.perf_counter() - t
@@ -185,6 +198,49 @@ class Trainer:
             self._update(j, minibatch, behaviour[j], metrics)
         metrics["time/update"] = time.perf_counter() - t
         return metrics
+
+    def _balance(self, minibatches: list[list[TrainSample]], metrics) -> list[list[TrainSample]]:
+        """This rank's token-balanced share of every mini-batch (``--balance-data``).
+
+        Mini-batch ``j`` is the union of every rank's chunk ``j``; it is gathered (samples with
+        their routing blobs: every rank holds the whole rollout for a moment) and split by
+        token count into ``dp`` parts of equal sample counts, the same on every rank (the
+        partition is deterministic); rank ``r`` keeps part ``r``, longest samples first.
+        """
+        gathered = all_gather_objects(minibatches, group=self.dp_group)
+        if len({len(theirs) for theirs in gathered}) != 1:
+            raise RuntimeError(
+                f"data-parallel ranks hold different numbers of mini-batches "
+                f"{[len(theirs) for theirs in gathered]}; they must pass equal sample counts"
+            )
+        mine, before, after = [], [], []
+        for j in range(len(minibatches)):
+            chunks = [theirs[j] for theirs in gathered]
+            pool = [sample for chunk in chunks for sample in chunk]
+            parts = karmarkar_karp([s.length for s in pool], self.dp, equal_size=True)
+            share = sorted(parts[self.dp_rank], key=lambda i: (-pool[i].length, i))
+            mine.append([pool[i] for i in share])
+            before.append(_imbalance([sum(s.length for s in chunk) for chunk in chunks]))
+            after.append(_imbalance([sum(pool[i].length for i in part) for part in parts]))
+        metrics["batch/dp_token_imbalance_unbalanced"] = sum(before) / len(before)
+        metrics["batch/dp_token_imbalance"] = sum(after) / len(after)
+        return mine
+
+    def _micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
+        """One mini-batch share as padded micro-batches on ``self.device``: ``micro_batch_size``
+        rows each, or by token budget (``--max-tokens-per-gpu``; longest samples first)."""
+        budget = self.config.token_budget
+        if budget:
+            groups = token_budget_micro_batches(
+                [s.length for s in samples], budget, self.seq_multiple
+            )
+            chunks = [[samples[i] for i in group] for group in groups]
+        else:
+            chunks = split(samples, self.config.micro_batch_size)
+        return [
+            make_micro_batch(chunk, self.tokenizer.pad_token_id, self.seq_multiple).to(self.device)
+            for chunk in chunks
+        ]
 
     def _old_logprob_pass(self, batches, metrics) -> list[list[dict]]:
         """Per micro-batch: trainer log-probs, behaviour log-probs, weights/masks, ref log-probs.
@@ -338,6 +394,12 @@ def _env_world_size() -> int:
 
 def _count(metrics: dict, key: str) -> None:
     metrics[key] = metrics.get(key, 0.0) + 1
+
+
+def _imbalance(tokens: list[int]) -> float:
+    """Largest share over the mean share (1.0: perfectly balanced)."""
+    mean = sum(tokens) / len(tokens)
+    return max(tokens) / mean if mean else 1.0
 
 
 def _accumulate(metrics: dict, loss_metrics: list[dict], weight: float) -> None:
