@@ -152,3 +152,19 @@ def test_token_budget_rejects_bad_arguments():
         token_budget_micro_batches([1], 4, 0)
     with pytest.raises(ValueError, match="one token"):
         token_budget_micro_batches([0], 4)
+
+
+def test_bench_batching_runs_and_balancing_helps(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_batching.py"
+    spec = importlib.util.spec_from_file_location("bench_batching", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--samples", "128", "--global-batch-size", "64", "--dp", "4"])
+    out = capsys.readouterr().out
+    assert "budget 24576 tokens" in out and "8 rows (today)" in out
+    real = next(line for line in out.splitlines() if line.strip().startswith("real"))
+    today, balanced = (float(cell) for cell in real.split()[1:4:2])
+    assert balanced < today
