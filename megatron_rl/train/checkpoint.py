@@ -24,8 +24,18 @@ by the next save.
   only points ``latest`` at it. Old checkpoints are pruned by renaming them to ``.tmp_*`` first,
   so an interrupted pruning never leaves a step folder that looks loadable.
 
-A checkpoint is resumed with the same world size and parallel layout only (convert through the
-HF export in `megatron_rl.model.conversion` to change layout).
+Two formats (``fmt`` / ``--ckpt-format``; loading reads ``format`` in ``checkpoint.json``, and
+a folder without it is ``torch``):
+
+* ``torch`` (default): the per-rank files above. Resumed with the same world size and parallel
+  layout only (a different one is a named error).
+* ``torch_dist``: model and optimizer through megatron's ``dist_checkpointing``
+  (`megatron_rl.train.dist_checkpoint`: ``*.distcp``, ``.metadata``, ``common.pt``,
+  ``metadata.json``), plus ``rl_state.json`` and ``rng_rank*.pt``. Resumed at any TP/EP/DP
+  layout (pipeline parallelism is not supported by the trainer yet). The same staging folder,
+  sha256 records (every rank hashes and verifies a share of the files), rename and ``latest``
+  make it atomic. Async saving is not offered yet: megatron's async request would have to finish
+  before the commit, which `save_training_state` does synchronously today.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 
@@ -42,6 +53,8 @@ import torch
 from megatron_rl.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from megatron_rl.collectives import all_gather_objects, any_rank, barrier, rank_and_world_size
 from megatron_rl.parallel import initialized_parallel_state
+from megatron_rl.train.dist_checkpoint import FORMAT as DIST_CHECKPOINT_FORMAT
+from megatron_rl.train.dist_checkpoint import load_sharded, save_sharded
 from megatron_rl.train.optimizer_state import (
     load_optimizer_state,
     optimizer_difference,
@@ -52,10 +65,14 @@ from megatron_rl.train.rng_state import capture_rng_state, restore_rng_state
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: checkpoint.json lists every file with its size and sha256
+TORCH_FORMAT = "torch"  # per-rank torch.save files: resumes at the saved layout only
+DIST_FORMAT = DIST_CHECKPOINT_FORMAT  # megatron dist_checkpointing: resumes at any TP/EP/DP layout
+CKPT_FORMATS = (TORCH_FORMAT, DIST_FORMAT)
 LATEST_FILE = "latest"
 META_FILE = "checkpoint.json"
 RL_STATE_FILE = "rl_state.json"
 _TMP_PREFIXES = (".tmp_", ".tmp-")  # our staging folders; atomic_write_text's temp files
+_RANK_FILE = re.compile(r"(model|optim|rng)_rank\d{5}\.pt$")
 
 
 def step_dir_name(step: int) -> str:
@@ -63,7 +80,14 @@ def step_dir_name(step: int) -> str:
 
 
 def save_training_state(
-    save_dir: str, step: int, *, model, optimizer, rl_state: dict, keep_last: int = 2
+    save_dir: str,
+    step: int,
+    *,
+    model,
+    optimizer,
+    rl_state: dict,
+    keep_last: int = 2,
+    fmt: str = TORCH_FORMAT,
 ) -> str:
     """Write this rank's model, optimizer and RNG shards for ``step``; commit on rank 0.
 
@@ -78,6 +102,8 @@ def save_training_state(
         raise ValueError(f"step={step!r}: must be an int >= 0")
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: must be >= 1 (the new checkpoint is kept)")
+    if fmt not in CKPT_FORMATS:
+        raise ValueError(f"fmt={fmt!r}: choose one of {CKPT_FORMATS}")
     try:
         rl_state_text = json.dumps(rl_state, indent=2, sort_keys=True)
     except (TypeError, ValueError) as exc:
@@ -95,19 +121,33 @@ def save_training_state(
     try:
         os.makedirs(staging, exist_ok=True)
         header = {"format_version": FORMAT_VERSION, "layout": _layout(), "coords": _coords()}
-        files.update(_save(dict(header, model=model.state_dict()), staging, "model", rank))
-        files.update(
-            _save(dict(header, optimizer=optimizer_state(optimizer)), staging, "optim", rank)
-        )
+        if fmt == TORCH_FORMAT:
+            files.update(_save(dict(header, model=model.state_dict()), staging, "model", rank))
+            files.update(
+                _save(dict(header, optimizer=optimizer_state(optimizer)), staging, "optim", rank)
+            )
         files.update(_save(dict(header, rng=capture_rng_state()), staging, "rng", rank))
     except Exception as exc:  # reported to every rank below, so no rank waits forever
         error = exc
     _raise_if_any_rank_failed(error, f"writing step {step} under {staging}")
+    if fmt == DIST_FORMAT:
+        try:  # collective: every rank reached it (no rank failed above)
+            save_sharded(staging, model, optimizer)
+            barrier()  # every rank's files are written before they are hashed
+            files.update(_hash_share(staging, exclude=files))
+        except Exception as exc:
+            error = exc
+        _raise_if_any_rank_failed(error, f"writing step {step} under {staging}")
     every_file = {k: v for rank_files in all_gather_objects(files) for k, v in rank_files.items()}
     num_bytes = sum(record["bytes"] for record in files.values())
     if rank == 0:
         try:
-            meta = {"format_version": FORMAT_VERSION, "step": step, "layout": _layout()}
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "format": fmt,
+                "step": step,
+                "layout": _layout(),
+            }
             _commit(save_dir, staging, final, step, rl_state_text, meta, keep_last, every_file)
         except Exception as exc:
             error = exc
@@ -185,9 +225,12 @@ def load_training_state(
             (corrupted or f"{folder}: another rank's files are corrupted; see its error")
             + (f" (older complete checkpoints: steps {older})" if older else "")
         )
+    with open(os.path.join(folder, META_FILE), encoding="utf-8") as handle:
+        meta = json.load(handle)
+    if meta.get("format", TORCH_FORMAT) == DIST_FORMAT:
+        return _load_dist(folder, meta, step, model=model, optimizer=optimizer)
     try:
-        with open(os.path.join(folder, META_FILE), encoding="utf-8") as handle:
-            problem = _layout_difference(json.load(handle)["layout"], _layout(), folder)
+        problem = _layout_difference(meta["layout"], _layout(), folder)
         if problem is None:
             for kind in ("model", "optim", "rng"):  # model tensors are copied out: mmap them
                 path = os.path.join(folder, f"{kind}_rank{rank:05d}.pt")
@@ -207,6 +250,35 @@ def load_training_state(
     load_optimizer_state(optimizer, shards["optim"]["optimizer"])
     restore_rng_state(shards["rng"]["rng"])
     logger.info("loaded step %d from %s", step, folder)
+    return rl_state
+
+
+def _load_dist(folder: str, meta: dict, step: int, *, model, optimizer) -> dict:
+    """Load a ``torch_dist`` step folder at this job's layout (any TP/EP/DP layout)."""
+    rank, _ = rank_and_world_size()
+    saved_layout = meta["layout"]
+    same_layout = _layout_difference(saved_layout, _layout(), folder) is None
+    error: Exception | None = None
+    rng = rl_state = None
+    try:
+        with open(os.path.join(folder, RL_STATE_FILE), encoding="utf-8") as handle:
+            rl_state = json.load(handle)
+        rng_rank = rank if same_layout else rank % saved_layout["world_size"]
+        rng_path = os.path.join(folder, f"rng_rank{rng_rank:05d}.pt")
+        rng = torch.load(rng_path, map_location="cpu", weights_only=True)["rng"]
+    except (OSError, KeyError, RuntimeError, ValueError) as exc:
+        error = ValueError(f"{folder}: cannot read rank {rank}'s files ({exc!r})")
+    _raise_if_any_rank_failed(error, f"reading {folder}")
+    load_sharded(folder, model, optimizer)
+    if not same_layout:
+        rng.pop("tracker", None)  # megatron's model-parallel RNG streams are per TP rank
+        logger.info(
+            "%s was saved at layout %s, resumed at %s: tensors resharded; RNG states of saved "
+            "rank %d restored (megatron's tensor-parallel RNG tracker kept as seeded)",
+            folder, saved_layout, _layout(), rank % saved_layout["world_size"],
+        )  # fmt: skip
+    restore_rng_state(rng)
+    logger.info("loaded step %d from %s (%s)", step, folder, DIST_FORMAT)
     return rl_state
 
 
@@ -309,10 +381,15 @@ def _is_complete(folder: str, step: int) -> bool:
 
 def _corruption(step_dir: str, rank: int) -> str | None:
     """Why this rank's files in ``step_dir`` differ from their recorded sha256, or None."""
-    records = (_meta(step_dir) or {}).get("files", {})
-    names = [f"{kind}_rank{rank:05d}.pt" for kind in ("model", "optim", "rng")]
-    if rank == 0:
-        names.append(RL_STATE_FILE)
+    meta = _meta(step_dir) or {}
+    records = meta.get("files", {})
+    if meta.get("format", TORCH_FORMAT) == DIST_FORMAT:  # every rank checks its share
+        _, world_size = rank_and_world_size()
+        names = sorted(records)[rank::world_size]
+    else:
+        names = [f"{kind}_rank{rank:05d}.pt" for kind in ("model", "optim", "rng")]
+        if rank == 0:
+            names.append(RL_STATE_FILE)
     for name in names:
         if name not in records:
             continue  # a checkpoint from before checksums (format 1)
@@ -331,6 +408,19 @@ def _sha256(path: str) -> str:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _hash_share(folder: str, exclude: dict) -> dict[str, dict]:
+    """Records of this rank's share of the files in ``folder`` that are not in ``exclude`` and
+    not another rank's own files (every rank takes every world-size-th name)."""
+    rank, world_size = rank_and_world_size()
+    names = sorted(
+        name for name in os.listdir(folder) if name not in exclude and not _RANK_FILE.match(name)
+    )
+    records: dict[str, dict] = {}
+    for name in names[rank::world_size]:
+        records.update(_file_record(folder, name))
+    return records
 
 
 def _file_record(folder: str, name: str) -> dict[str, dict]:

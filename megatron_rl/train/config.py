@@ -109,6 +109,7 @@ class TrainConfig:
     save: str | None = None
     load: str | None = None
     load_fallback: bool = False  # a corrupted checkpoint: load the newest older one that verifies
+    ckpt_format: str = "torch"  # "torch_dist": reshardable (resume at another TP/EP/DP layout)
     save_interval: int = 0
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
@@ -184,6 +185,8 @@ class TrainConfig:
             raise ValueError(f"--kl-coef={self.kl_coef}: must be a finite number >= 0")
         if self.save_interval < 0:
             raise ValueError(f"--save-interval={self.save_interval}: must be >= 0")
+        if self.ckpt_format not in ("torch", "torch_dist"):
+            raise ValueError(f"--ckpt-format={self.ckpt_format}: choose torch or torch_dist")
         if self.save_interval and not self.save:
             raise ValueError(
                 f"--save-interval {self.save_interval} without --save: nothing would be saved; "
@@ -574,6 +577,14 @@ def build_parser() -> argparse.ArgumentParser:
         "load-fallback",
         action="store_true",
         help="when --load's checkpoint fails its checksums, load the newest older one instead",
+    )
+    add(
+        g,
+        "ckpt-format",
+        choices=("torch", "torch_dist"),
+        help="checkpoint format of --save: torch (per-rank files, resume at the same layout) or "
+        "torch_dist (megatron dist_checkpointing: resume at another TP/EP/DP layout); --load "
+        "reads either",
     )
     g.add_argument("--no-progress", dest="progress", action="store_false")
     add(g, "max-bad-steps")

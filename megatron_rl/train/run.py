@@ -141,6 +141,7 @@ class _Saver:
             model=self.trainer.model,
             optimizer=self.trainer.optimizer,
             rl_state=self.trainer.state_dict(),
+            fmt=self.config.ckpt_format,
         )
         self.saved_step = self.trainer.step_index
 
