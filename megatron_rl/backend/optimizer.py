@@ -45,6 +45,10 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True  # shard Adam state over data-parallel ranks
+    # megatron's HybridDeviceOptimizer: this fraction of the (sharded) Adam state and its update
+    # lives in host memory and runs on the CPU (needs CUDA and the distributed optimizer)
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -57,6 +61,43 @@ class OptimizerConfig:
             raise ValueError("OptimizerConfig: weight_decay must be >= 0 and adam_eps > 0")
         if not math.isfinite(self.clip_grad):
             raise ValueError(f"OptimizerConfig.clip_grad={self.clip_grad}: must be finite")
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ValueError(
+                f"OptimizerConfig.offload_fraction={self.offload_fraction}: must be in [0, 1]"
+            )
+        if self.cpu_offload and not self.use_distributed_optimizer:
+            raise ValueError(
+                "OptimizerConfig.cpu_offload needs use_distributed_optimizer: megatron offloads "
+                "through the precision-aware path of its distributed optimizer"
+            )
+
+
+def megatron_optimizer_config(config: OptimizerConfig, model_config):
+    """megatron-core's ``OptimizerConfig`` for ``config`` and the model's ``TransformerConfig``.
+
+    CPU offload is megatron's ``optimizer_cpu_offload`` (+ ``optimizer_offload_fraction``), which
+    megatron runs only through its precision-aware optimizer path
+    (``use_precision_aware_optimizer``: distributed optimizer and Adam; Megatron-LM's own argument
+    checks require the same); master weights, gradients and Adam moments stay fp32, as without
+    offload.
+    """
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+
+    return MegatronOptimizerConfig(
+        optimizer="adam",
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        adam_eps=config.adam_eps,
+        clip_grad=max(config.clip_grad, 0.0),
+        bf16=model_config.bf16,
+        params_dtype=model_config.params_dtype,
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        optimizer_cpu_offload=config.cpu_offload,
+        optimizer_offload_fraction=config.offload_fraction if config.cpu_offload else 0.0,
+        use_precision_aware_optimizer=config.cpu_offload,
+    )
 
 
 def wrap_for_training(
@@ -85,7 +126,6 @@ class PolicyOptimizer:
     """``zero_grad()`` before the micro-batches, ``step()`` after their backward passes."""
 
     def __init__(self, model: DistributedDataParallel, config: OptimizerConfig) -> None:
-        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
         sharded_buffers = model.ddp_config.use_distributed_optimizer
@@ -97,22 +137,21 @@ class PolicyOptimizer:
             )
         self.model = model
         self.config = config
-        megatron_config = MegatronOptimizerConfig(
-            optimizer="adam",
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            adam_beta1=config.adam_beta1,
-            adam_beta2=config.adam_beta2,
-            adam_eps=config.adam_eps,
-            clip_grad=max(config.clip_grad, 0.0),
-            bf16=model.config.bf16,
-            params_dtype=model.config.params_dtype,
-            use_distributed_optimizer=config.use_distributed_optimizer,
-        )
+        if config.cpu_offload and cpu_backend_active():
+            raise ValueError(
+                "--optimizer-cpu-offload needs CUDA: megatron's HybridDeviceOptimizer moves the "
+                "optimizer state between GPU and host memory (on the CPU backend it already is "
+                "in host memory); drop the flag"
+            )
+        megatron_config = megatron_optimizer_config(config, model.config)
         with self._megatron_calls():
             self.inner = get_megatron_optimizer(megatron_config, [model])
         logger.info(
-            "optimizer: megatron %s Adam", "distributed" if sharded_buffers else "non-distributed"
+            "optimizer: megatron %s Adam%s",
+            "distributed" if sharded_buffers else "non-distributed",
+            f", {config.offload_fraction:.0%} of its state on the CPU"
+            if config.cpu_offload
+            else "",
         )
 
     @staticmethod

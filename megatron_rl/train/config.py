@@ -59,6 +59,8 @@ class TrainConfig:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False  # shard Adam state over data-parallel ranks
     overlap_grad_reduce: bool = False  # reduce gradients during the last micro-batch's backward
+    optimizer_cpu_offload: bool = False  # megatron's HybridDeviceOptimizer (Adam state on host)
+    optimizer_offload_fraction: float = 1.0  # share of the Adam state and update on the CPU
     # token balancing (see megatron_rl/train/balance.py): micro-batches by a padded-token budget
     # instead of --micro-batch-size rows (None or 0: off), and every mini-batch's samples
     # re-split over the data-parallel ranks by token count (Karmarkar-Karp, equal counts)
@@ -220,6 +222,15 @@ class TrainConfig:
         spec.make_config(dict(self.loss_params))  # value checks of the loss's own config
 
     def _check_combinations(self) -> None:
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(
+                f"--optimizer-offload-fraction={self.optimizer_offload_fraction}: must be in [0, 1]"
+            )
+        if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
+            raise ValueError(
+                "--optimizer-cpu-offload needs --use-distributed-optimizer (megatron offloads "
+                "through its distributed, precision-aware optimizer)"
+            )
         if self.pipeline_model_parallel_size > 1 or self.context_parallel_size > 1:
             raise ValueError(
                 "--pipeline-model-parallel-size and --context-parallel-size > 1 are not supported "
@@ -296,6 +307,8 @@ class TrainConfig:
             adam_eps=self.adam_eps,
             clip_grad=self.clip_grad,
             use_distributed_optimizer=self.use_distributed_optimizer,
+            cpu_offload=self.optimizer_cpu_offload,
+            offload_fraction=self.optimizer_offload_fraction,
         )
 
     def objective_config(self) -> ObjectiveConfig:
@@ -472,6 +485,14 @@ def build_parser() -> argparse.ArgumentParser:
         add(g, name)
     add(g, "use-distributed-optimizer", action="store_true", help="shard Adam state over DP ranks")
     add(g, "overlap-grad-reduce", action="store_true", help="overlap DP grad reduction, backward")
+    add(
+        g,
+        "optimizer-cpu-offload",
+        action="store_true",
+        help="megatron's optimizer CPU offload: Adam state and update in host memory (CUDA only; "
+        "needs --use-distributed-optimizer)",
+    )
+    add(g, "optimizer-offload-fraction", help="share of the offloaded optimizer state (0..1)")
     add(
         g,
         "max-tokens-per-gpu",
