@@ -74,17 +74,24 @@ def layout(
 
 
 def flat_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    first_bucket_bytes: int | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor travels alone), also
-    cut where a tensor would start at a byte offset its itemsize does not divide."""
+    cut where a tensor would start at a byte offset its itemsize does not divide.
+
+    ``first_bucket_bytes``: a smaller limit for the first bucket, so that a pipelined sender
+    has something on the wire sooner (the first pack cannot overlap anything)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
+    limit = first_bucket_bytes or bucket_bytes
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > bucket_bytes or size % tensor.element_size()):
+        if bucket and (size + nbytes > limit or size % tensor.element_size()):
             yield bucket
-            bucket, size = [], 0
+            bucket, size, limit = [], 0, bucket_bytes
         bucket.append((name, tensor))
         size += nbytes
     if bucket:

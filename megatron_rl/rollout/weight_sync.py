@@ -65,6 +65,7 @@ from megatron_rl.rollout.weight_group import (
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("distributed", "tensor", "disk")
+FIRST_BUCKET_BYTES = 8 * 1024**2  # `distributed`: a small first bucket starts the pipeline
 
 
 class WeightSyncError(RuntimeError):
@@ -355,12 +356,14 @@ class WeightSync:
         (buckets already loaded stay loaded; loading is idempotent).
 
         Double-buffered: the next bucket is packed and checked while this one is on the wire
-        and being loaded (two staging buffers of at most ``bucket_bytes``).
+        and being loaded (two staging buffers of at most ``bucket_bytes``); the first bucket
+        is at most `FIRST_BUCKET_BYTES`, since its packing overlaps nothing.
         """
         del version
         cfg = self.config
         device = _current_cuda() if cfg.backend == "nccl" else torch.device("cpu")
-        buckets = iter(flat_buckets(stream, cfg.bucket_bytes))
+        first = min(cfg.bucket_bytes, FIRST_BUCKET_BYTES)
+        buckets = iter(flat_buckets(stream, cfg.bucket_bytes, first_bucket_bytes=first))
         try:
             staged, index = self._stage_next(buckets, device, 0), 0
             while staged is not None:

@@ -18,6 +18,12 @@ def test_buckets_keep_order_respect_the_size_and_cut_where_a_start_would_be_unal
     assert cut == [["h"], ["f", "b"], ["g"]]  # 6 bytes then fp32; 9 bytes then fp16
 
 
+def test_the_first_bucket_can_be_smaller():
+    tensors = [(f"t{i}", torch.zeros(10)) for i in range(6)]  # 40 bytes each
+    sizes = [len(b) for b in flat_bucket.flat_buckets(tensors, 120, first_bucket_bytes=40)]
+    assert sizes == [1, 3, 2]
+
+
 def test_pack_then_unpack_returns_the_tensors_as_views():
     bucket = [("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.tensor([7, 8]))]
     flat = torch.zeros(64, dtype=torch.uint8)
