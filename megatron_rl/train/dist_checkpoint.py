@@ -118,7 +118,7 @@ def _group_key(group: dict) -> str:
 
 def _non_tensor_state(inner_state: dict) -> dict:
     """The layout-independent non-tensor state of one inner optimizer's sharded state dict."""
-    optim = inner_state.get("optimizer", {})
+    optim = inner_state.get("optimizer", inner_state)  # FP32Optimizer: torch's dict itself
     groups = {}
     for group in optim.get("param_groups", []):
         groups[_group_key(group)] = {
@@ -194,6 +194,7 @@ def load_sharded(folder: str, model, optimizer) -> None:
     _module(model).load_state_dict(model_state, strict=True)
     with _calls(optimizer), torch.no_grad():
         for inner, state in zip(inner_optimizers(optimizer), inner_states, strict=True):
+            _unwrap_local(state)
             _apply_common(state, common)
             param_state = state.pop("param_state", None)
             state.pop("param_state_sharding_type", None)
@@ -201,6 +202,19 @@ def load_sharded(folder: str, model, optimizer) -> None:
             if param_state is not None:
                 _load_param_state(inner, param_state)
             _unshare_steps(_torch_optimizer(inner))
+
+
+def _unwrap_local(tree) -> None:
+    """Replace megatron's ``LocalNonpersistentObject`` wrappers (parameter ids of the plain
+    optimizer's groups, never saved) by what they wrap, as megatron's own load does."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for key, value in list(items):
+        if isinstance(value, LocalNonpersistentObject):
+            tree[key] = value.unwrap()
+        elif isinstance(value, (dict, list)):
+            _unwrap_local(value)
 
 
 def _load_param_state(inner, param_state: dict) -> None:
@@ -220,7 +234,7 @@ def _load_param_state(inner, param_state: dict) -> None:
 
 
 def _apply_common(state: dict, common: dict) -> None:
-    optim = state.get("optimizer", {})
+    optim = state.get("optimizer", state)
     for group in optim.get("param_groups", []):
         saved = common["param_groups"].get(_group_key(group))
         if saved is None:

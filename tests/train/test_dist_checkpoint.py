@@ -137,3 +137,35 @@ def test_torch_dist_flipped_byte_is_a_named_error(ws1, tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=rf"{name} is corrupted"):
         load_training_state(str(save_dir), model=model, optimizer=optimizer)
+
+
+def test_torch_dist_round_trip_with_the_non_distributed_optimizer(ws1, tmp_path):
+    """The trainer's default: megatron's plain (not distributed) optimizer."""
+    from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_rl.model import build_model, preset_config
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = wrap_for_training(build_model(config), use_distributed_optimizer=False)
+        optimizer = build_optimizer(
+            model, OptimizerConfig(lr=3e-3, use_distributed_optimizer=False)
+        )
+        return model, optimizer
+
+    config = preset_config("tiny")
+    model, optimizer = build(0)
+    train_steps(model, optimizer, config.vocab_size, 2)
+    save_dir = str(tmp_path / "ckpt")
+    save_training_state(
+        save_dir, 2, model=model, optimizer=optimizer, rl_state={"step": 2}, fmt="torch_dist"
+    )
+    saved = weights(model)
+    train_steps(model, optimizer, config.vocab_size, 1)
+    expected = weights(model)
+
+    model2, optimizer2 = build(5)
+    assert load_training_state(save_dir, model=model2, optimizer=optimizer2) == {"step": 2}
+    assert same_tensors(weights(model2), saved)
+    train_steps(model2, optimizer2, config.vocab_size, 1)
+    resumed = weights(model2)
+    assert max((resumed[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
