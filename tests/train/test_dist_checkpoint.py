@@ -169,3 +169,38 @@ def test_torch_dist_round_trip_with_the_non_distributed_optimizer(ws1, tmp_path)
     train_steps(model2, optimizer2, config.vocab_size, 1)
     resumed = weights(model2)
     assert max((resumed[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [{}, {"use_distributed_optimizer": True, "bf16": True}],
+    ids=["adam_fp32", "distributed_adam_bf16"],
+)
+def test_trainer_resumes_a_torch_dist_checkpoint_like_an_uninterrupted_run(tmp_path, optimizer):
+    """``--ckpt-format torch_dist`` through `run`: the resumed run saves per-rank files again."""
+    import dataclasses
+
+    from trainer_testing import rendezvous, small_config
+
+    from megatron_rl.train.run import run
+
+    straight = small_config(
+        tmp_path / "a", train_iters=4, save=str(tmp_path / "a" / "ckpt"), **optimizer
+    )
+    run(straight, **rendezvous(tmp_path, "rdzv_a"))
+    first = small_config(
+        tmp_path / "b",
+        train_iters=2,
+        save=str(tmp_path / "b" / "ckpt"),
+        ckpt_format="torch_dist",
+        **optimizer,
+    )
+    run(first, **rendezvous(tmp_path, "rdzv_b1"))
+    resumed = dataclasses.replace(first, train_iters=4, load=first.save, ckpt_format="torch")
+    run(resumed, **rendezvous(tmp_path, "rdzv_b2"))
+    a = torch.load(tmp_path / "a" / "ckpt" / "step_00000004" / "model_rank00000.pt")["model"]
+    b = torch.load(tmp_path / "b" / "ckpt" / "step_00000004" / "model_rank00000.pt")["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        if torch.is_tensor(a[key]):
+            assert torch.equal(a[key], b[key]), key
