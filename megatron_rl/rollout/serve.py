@@ -12,6 +12,14 @@ printed, one per line, prefixed ``URL ``; the router's, if any, is printed prefi
 sglang-router serves none of the pause / weight-update routes). The process then waits;
 SIGTERM or SIGINT stops every server it started (their process groups only).
 ``--dry-run`` prints the commands and exits.
+
+``--heartbeat-file PATH`` ties the servers to a training job on other nodes: the job rewrites PATH
+(on a filesystem every node sees) every few seconds and removes it when it ends. The servers are
+stopped when PATH is removed (exit 0: the job ended) or when its content has not changed for
+``--heartbeat-timeout`` seconds (exit 1: the job or its node is gone). Staleness is judged by this
+node's own clock on the file's content, never by comparing clocks across nodes; the timeout runs
+from the moment every server answers ``/health``, so a job that starts later has that long to
+write its first beat.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import logging
 import signal
 import sys
 import threading
+import time
+from pathlib import Path
 
 from megatron_rl.rollout.http_pool import SGLANG_HEALTH_MIN_S
 from megatron_rl.rollout.launch import (
@@ -34,6 +44,51 @@ from megatron_rl.rollout.launch import (
 )
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_REMOVED = 0  # exit status: the training job removed its heartbeat (a clean end)
+HEARTBEAT_STALE = 1  # exit status: the heartbeat stopped changing (the job or its node is gone)
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Heartbeat:
+    """Watches a file that another node's job rewrites; `check` says whether that job is gone.
+
+    Every content change (by this process's monotonic clock) renews the job's lease of
+    ``timeout_s`` seconds; the first lease starts when the watcher is made. A file that was seen
+    and then removed means the job ended.
+    """
+
+    def __init__(self, path: str | Path, timeout_s: float, clock=time.monotonic) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"Heartbeat timeout_s={timeout_s!r}: must be > 0")
+        self.path = Path(path)
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._content: bytes | None = None
+        self._seen = False
+        self._changed_at = clock()
+
+    def check(self) -> tuple[int, str] | None:
+        """None while the job lives; else ``(exit status, reason)``."""
+        try:
+            content = self.path.read_bytes()  # open/read: NFS revalidates on open
+        except FileNotFoundError:
+            if self._seen:
+                return HEARTBEAT_REMOVED, f"{self.path} was removed: the training job ended"
+            content = None
+        except OSError as error:  # a transient read error counts as no beat
+            logger.warning("heartbeat %s unreadable: %s", self.path, error)
+            content = self._content
+        now = self._clock()
+        if content is not None and content != self._content:
+            self._content, self._seen, self._changed_at = content, True, now
+        if now - self._changed_at > self.timeout_s:
+            what = "has not changed" if self._seen else "has not appeared"
+            return HEARTBEAT_STALE, (
+                f"{self.path} {what} for {self.timeout_s:g} s: the training job (or its node, or "
+                "this node's view of the shared filesystem) is gone"
+            )
+        return None
 
 
 def build_plan(args) -> list[tuple[list[str], dict, str]]:
@@ -85,6 +140,21 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds one /health probe may take (SGLang: >= 1 s, 503 after 20 s)",
     )
     parser.add_argument("--log-dir", default=None)
+    parser.add_argument(
+        "--heartbeat-file",
+        default=None,
+        help="stop the servers when the training job stops rewriting this file (shared "
+        "filesystem) or removes it",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=300.0,
+        help="seconds without a change of --heartbeat-file before the servers are stopped",
+    )
+    parser.add_argument(
+        "--heartbeat-poll", type=float, default=5.0, help="seconds between heartbeat reads"
+    )
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.gpus_per_server is None:
@@ -96,12 +166,19 @@ def main(argv: list[str] | None = None) -> int:
             f"--health-probe-timeout {args.health_probe_timeout}: must exceed the "
             f"{SGLANG_HEALTH_MIN_S} s SGLang's /health takes at least"
         )
+    if args.heartbeat_file and not (args.heartbeat_timeout > 0 and args.heartbeat_poll > 0):
+        parser.error("--heartbeat-timeout and --heartbeat-poll must be > 0")
     plan = _plan(args)
     if args.dry_run:
         for cmd, env, url, label in plan:
             prefix = " ".join(f"{k}={v}" for k, v in env.items())
             print(f"{prefix} {' '.join(cmd)}".strip())  # noqa: T201 (the CLI's output)
             print(f"{label} {url}")  # noqa: T201
+        if args.heartbeat_file:
+            print(  # noqa: T201
+                f"# stops the servers when {args.heartbeat_file} is removed or unchanged for "
+                f"{args.heartbeat_timeout:g} s"
+            )
         return 0
     return _serve(plan, args)
 
@@ -109,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(plan, args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
     processes = []
     try:
         for i, (cmd, env, url, label) in enumerate(plan):
@@ -124,11 +200,22 @@ def _serve(plan, args) -> int:
                 probe_timeout_s=args.health_probe_timeout,
             )
             print(f"{label} {url}", flush=True)  # noqa: T201
-        stop.wait()
+        if not args.heartbeat_file:
+            stop.wait()
+            return 0
+        heartbeat = Heartbeat(args.heartbeat_file, args.heartbeat_timeout)
+        while not stop.wait(args.heartbeat_poll):
+            gone = heartbeat.check()
+            if gone is not None:
+                status, reason = gone
+                logger.warning("stopping the servers: %s", reason)
+                return status
         return 0
     finally:
         for process in reversed(processes):
             stop_process(process)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
