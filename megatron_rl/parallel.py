@@ -12,17 +12,28 @@ import sys
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ParallelConfig:
-    """Model-parallel sizes; data parallel is whatever remains of the world size."""
+    """Model-parallel sizes; data parallel is whatever remains of the world size.
+
+    ``expert_tensor_parallel`` None: 1 with expert parallelism (experts kept whole, as megatron's
+    and slime's MoE recipes do), ``tensor_parallel`` without it. With ``expert_parallel == 1``
+    megatron-core treats expert weights as dense parameters (``allreduce=True``): their
+    gradients are reduced over the dense data-parallel group only, so the tensor-parallel ranks,
+    which route different tokens under sequence parallelism, must split the experts the way they
+    split dense layers (``expert_tensor_parallel == tensor_parallel``); otherwise each rank keeps
+    the expert gradient of its own tokens (measured: half of the true gradient's terms missing).
+    """
 
     tensor_parallel: int = 1
     expert_parallel: int = 1
     pipeline_parallel: int = 1
     context_parallel: int = 1
-    expert_tensor_parallel: int = 1
+    expert_tensor_parallel: int | None = None  # None: see the class docstring
     sequence_parallel: bool | None = None  # None: on whenever tensor_parallel > 1
     seed: int = 1234
 
     def __post_init__(self) -> None:
+        if self.expert_tensor_parallel is None:
+            self.expert_tensor_parallel = 1 if self.expert_parallel > 1 else self.tensor_parallel
         for name in (
             "tensor_parallel",
             "expert_parallel",
@@ -33,6 +44,13 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name}={value!r}: must be an integer >= 1")
+        if self.expert_parallel == 1 and self.expert_tensor_parallel != self.tensor_parallel:
+            raise ValueError(
+                f"ParallelConfig.expert_tensor_parallel={self.expert_tensor_parallel} with "
+                f"expert_parallel=1 must equal tensor_parallel={self.tensor_parallel}: megatron "
+                "reduces expert gradients like dense ones when experts are not expert-parallel; "
+                "leave it unset (None) or use expert_parallel > 1"
+            )
         if self.sequence_parallel is None:
             self.sequence_parallel = self.tensor_parallel > 1
         if self.sequence_parallel and self.tensor_parallel == 1:
