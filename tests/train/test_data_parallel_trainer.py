@@ -18,21 +18,10 @@ from qwen3_moe_testing import spawn_ranks
 OVERRIDES = dict(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=8)
 
 
-def _share(samples: list, rank: int, world_size: int, global_batch: int) -> list:
-    """Rank ``rank``'s part of every mini-batch: the trainer splits its samples into
-    ``global_batch / world_size`` chunks, so rank r must hold slice r of each global mini-batch."""
-    per_rank = global_batch // world_size
-    share = []
-    for start in range(0, len(samples), global_batch):
-        begin = start + rank * per_rank
-        share.extend(samples[begin : begin + per_rank])
-    return share
-
-
 def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, optimizer) -> None:
     from pathlib import Path
 
-    from trainer_testing import small_config
+    from trainer_testing import rank_share, small_config
 
     from megatron_rl.train.trainer import Trainer
 
@@ -46,7 +35,7 @@ def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, optimize
         before = {
             k: v.clone() for k, v in trainer.model.module.state_dict().items() if torch.is_tensor(v)
         }
-        metrics = trainer.train_on(_share(samples, rank, world_size, config.global_batch_size))
+        metrics = trainer.train_on(rank_share(samples, rank, world_size, config.global_batch_size))
         after = trainer.model.module.state_dict()
         torch.save(
             {

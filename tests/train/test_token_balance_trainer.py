@@ -72,20 +72,10 @@ def _samples(replay: str) -> list:
     return samples
 
 
-def _share(samples: list, rank: int, world_size: int) -> list:
-    """Slice ``rank`` of every global mini-batch: what the trainer's rank ``rank`` holds."""
-    per_rank = GLOBAL_BATCH // world_size
-    share = []
-    for start in range(0, len(samples), GLOBAL_BATCH):
-        begin = start + rank * per_rank
-        share.extend(samples[begin : begin + per_rank])
-    return share
-
-
 def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, overrides, local) -> None:
     from pathlib import Path
 
-    from trainer_testing import small_config
+    from trainer_testing import rank_share, small_config
 
     import megatron_rl.backend.optimizer as optimizer_module
     import megatron_rl.train.trainer as trainer_module
@@ -110,7 +100,7 @@ def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, override
         before = {
             k: v.clone() for k, v in trainer.model.module.state_dict().items() if torch.is_tensor(v)
         }
-        share = _share(samples, rank, world_size)
+        share = rank_share(samples, rank, world_size, GLOBAL_BATCH)
         metrics = trainer.train_on(share)
         after = trainer.model.module.state_dict()
         torch.save(

@@ -26,3 +26,14 @@ def small_config(tmp_path, **overrides) -> TrainConfig:
 
 def rendezvous(tmp_path, name: str = "rdzv") -> dict:
     return {"rank": 0, "world_size": 1, "init_method": f"file://{tmp_path}/{name}"}
+
+
+def rank_share(samples: list, rank: int, world_size: int, global_batch: int) -> list:
+    """Rank ``rank``'s part of every mini-batch: the trainer splits its samples into
+    ``global_batch / world_size`` chunks, so rank r must hold slice r of each global mini-batch."""
+    per_rank = global_batch // world_size
+    share = []
+    for start in range(0, len(samples), global_batch):
+        begin = start + rank * per_rank
+        share.extend(samples[begin : begin + per_rank])
+    return share
