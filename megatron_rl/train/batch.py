@@ -28,6 +28,7 @@ class TrainSample:
     reward: float
     in_loss: bool  # False for zero-variance groups when they are filtered
     routes: RoutingBlob | None = None  # R3: [P + R - 1, L, K]
+    weight_version: int | None = None  # the engine's weight version that generated it
 
     @property
     def length(self) -> int:

@@ -100,6 +100,11 @@ class TrainConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # one-step-off-policy rollouts (see megatron_rl/train/async_rollout.py): rollout k + 1 is
+    # generated while step k trains; a batch more than max_staleness versions behind the
+    # trainer's weights is generated again
+    async_rollout: bool = False
+    max_staleness: int = 1
     # data and reward
     prompt_data: str | None = None  # None: the built-in task
     tokenizer: str | None = None
@@ -257,6 +262,17 @@ class TrainConfig:
             raise ValueError(
                 f"--global-batch-size {self.global_batch_size} is not a multiple of "
                 f"--micro-batch-size {self.micro_batch_size}"
+            )
+        if not (isinstance(self.max_staleness, int) and self.max_staleness >= 1):
+            raise ValueError(
+                f"--max-staleness={self.max_staleness!r}: must be an integer >= 1 (weight "
+                "versions a batch may lag behind the trainer; with --async-rollout one batch is "
+                "in flight, so its samples are 1 version behind)"
+            )
+        if self.max_staleness != 1 and not self.async_rollout:
+            raise ValueError(
+                f"--max-staleness {self.max_staleness} without --async-rollout: synchronous "
+                "rollouts are never stale; add --async-rollout or drop --max-staleness"
             )
         samples = self.samples_per_rollout
         if samples % self.global_batch_size:
@@ -563,6 +579,19 @@ def build_parser() -> argparse.ArgumentParser:
         add(g, name)
     for name in ("temperature", "top-p", "top-k"):
         add(g, name)
+    add(
+        g,
+        "async-rollout",
+        action="store_true",
+        help="one-step-off-policy: generate rollout k+1 in the background while step k trains "
+        "(samples are 1 weight version behind; see megatron_rl/train/async_rollout.py)",
+    )
+    add(
+        g,
+        "max-staleness",
+        help="with --async-rollout: a batch more than this many weight versions behind the "
+        "trainer is dropped and generated again (>= 1; default 1)",
+    )
 
     g = parser.add_argument_group(
         "data and reward",

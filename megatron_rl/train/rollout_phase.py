@@ -85,6 +85,7 @@ def run_rollout(
             reward=float(rewards[i]),
             in_loss=not (config.filter_zero_variance_groups and bool(zero_variance[i])),
             routes=s.routes,
+            weight_version=s.weight_version,
         )
         for i, s in enumerate(generated)
     ]

@@ -45,6 +45,12 @@ from megatron_rl.model.conversion import iter_hf_tensors
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
+from megatron_rl.train.async_rollout import (
+    AsyncState,
+    BackgroundGeneration,
+    overlap,
+    staleness_metrics,
+)
 from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.config import TrainConfig
@@ -66,6 +72,8 @@ class Trainer:
         world = world_size if world_size is not None else _env_world_size()
         self.dp = config.data_parallel_size(world)  # validates before anything is built
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)  # ranks sharing this machine
+        if config.async_rollout:  # each rank's generation thread shares the cores too
+            local *= 2
         self.num_threads = configure_threads(config.torch_threads, local_processes=local)
         self.device = init_distributed(
             parallel, rank=rank, world_size=world, init_method=init_method, device=config.device
@@ -114,6 +122,17 @@ class Trainer:
             )
         self.step_index = 0
         self.weight_version = 0
+        self._async = (
+            AsyncState(max_staleness=config.max_staleness) if config.async_rollout else None
+        )
+        self.trained_prompts: list[int] = []  # async: this rank's prompts of the last step
+        async_ratio = config.behavior_logprobs == "trainer" and config.rollout_correction == "none"
+        if config.async_rollout and async_ratio:
+            logger.warning(
+                "--async-rollout with --behavior-logprobs trainer and no --rollout-correction: "
+                "the loss's ratio is taken against the current weights, not the policy that "
+                "generated the (one version old) samples; see megatron_rl/train/async_rollout.py"
+            )
         self.sync_weights(version=0)
 
     # ------------------------------------------------------------------ phases
@@ -124,7 +143,11 @@ class Trainer:
         and before every update, so a stop signal is served within one update, not one step:
         after the rollout the step is abandoned (the prompts are drawn again after a resume) and
         None is returned; before an update the remaining updates are skipped and the step ends.
+        With ``--async-rollout`` the next rollout is generated while this one trains
+        (`_async_step`, `megatron_rl.train.async_rollout`).
         """
+        if self._async is not None:
+            return self._async_step(should_stop)
         start = time.perf_counter()
         sampler_state = self.sampler.state_dict()
         samples, metrics = self.rollout()
@@ -146,25 +169,118 @@ class Trainer:
 
     def rollout(self) -> tuple[list[TrainSample], dict[str, float]]:
         """This data-parallel rank's samples of the next prompt batch, and rollout metrics."""
-        config = self.config
-        indices = self.sampler.next_batch(config.rollout_batch_size)
-        per_rank = config.rollout_batch_size // self.dp
-        mine = indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-        payload = [None]
-        if self.is_generator:
-            result = run_rollout(
-                self.engine,
-                [self.records[i] for i in mine],
-                self.tokenizer,
-                self.reward_fn,
-                self.rollout_config,
-                seed=config.seed * 1_000_003 + self.step_index * 1009 + self.dp_rank,
-                return_routes=config.routing_replay == "r3",
-            )
-            payload = [(result.samples, result.metrics)]
+        mine = self._draw_prompts()
+        payload = [self._generate(mine, self.step_index) if self.is_generator else None]
         if self.mp_group.size() > 1:
             dist.broadcast_object_list(payload, src=self.mp_src, group=self.mp_group)
         return payload[0]
+
+    def _draw_prompts(self) -> list[int]:
+        """This data-parallel rank's share of the next ``rollout_batch_size`` prompts."""
+        indices = self.sampler.next_batch(self.config.rollout_batch_size)
+        per_rank = self.config.rollout_batch_size // self.dp
+        return indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+
+    def _generate(self, mine: list[int], rollout_index: int):
+        """Generator rank: ``(samples, metrics)`` of prompts ``mine`` for rollout ``rollout_index``
+        (its sampling seed)."""
+        config = self.config
+        result = run_rollout(
+            self.engine,
+            [self.records[i] for i in mine],
+            self.tokenizer,
+            self.reward_fn,
+            self.rollout_config,
+            seed=config.seed * 1_000_003 + rollout_index * 1009 + self.dp_rank,
+            return_routes=config.routing_replay == "r3",
+        )
+        return result.samples, result.metrics
+
+    # ------------------------------------------------------------------ async rollouts
+    def _async_step(self, should_stop) -> dict[str, float] | None:
+        """`step` with ``--async-rollout`` (see `megatron_rl.train.async_rollout`)."""
+        state = self._async
+        start = time.perf_counter()
+        generated: list[tuple[float, float]] = []  # generation intervals within this step
+        if not state.pending:  # the first step, or after a resume: generate in the foreground
+            state.sampler_before = self.sampler.state_dict()
+            state.indices = self._draw_prompts()
+            if self.is_generator:
+                state.result = self._generate(state.indices, self.step_index)
+                generated.append((start, time.perf_counter()))
+        dropped = 0.0
+        if self.is_generator:
+            samples, _ = state.result
+            behind = self.weight_version - min(s.weight_version for s in samples)
+            if behind > state.max_staleness:  # too old: the same prompts, current weights
+                t = time.perf_counter()
+                state.result = self._generate(state.indices, self.step_index)
+                generated.append((t, time.perf_counter()))
+                dropped = 1.0
+                logger.warning(
+                    "step %d: rollout %d versions behind (> --max-staleness %d): regenerated",
+                    self.step_index,
+                    behind,
+                    state.max_staleness,
+                )
+        payload = [state.result]
+        if self.mp_group.size() > 1:
+            dist.broadcast_object_list(payload, src=self.mp_src, group=self.mp_group)
+        samples, metrics = payload[0]
+        prompts, before = state.indices, state.sampler_before
+        state.indices = state.sampler_before = state.result = None
+        if should_stop is not None and should_stop():
+            self.sampler.load_state_dict(before)  # this batch is drawn again after a resume
+            return None
+        self.trained_prompts = list(prompts)
+        metrics["time/rollout"] = time.perf_counter() - start
+        metrics.update(
+            staleness_metrics(
+                [s.weight_version for s in samples], self.weight_version, state.max_staleness
+            )
+        )
+        metrics["async/dropped_batches"] = dropped
+        # the next rollout, generated while this one trains (not after the run's last step)
+        if self.step_index + 1 < self.config.train_iters:
+            state.sampler_before = self.sampler.state_dict()
+            state.indices = mine = self._draw_prompts()
+            if self.is_generator:
+                index = self.step_index + 1
+                state.generation = BackgroundGeneration(lambda: self._generate(mine, index))
+        train_start = time.perf_counter()
+        metrics.update(self.train_on(samples, should_stop))
+        train = (train_start, time.perf_counter())
+        overlapped, t = 0.0, time.perf_counter()
+        if state.generation is not None:
+            state.result = state.generation.join()  # before the sync: one version per batch
+            interval = (state.generation.started, state.generation.finished)
+            generated.append(interval)
+            overlapped = overlap(interval, train)
+            state.generation = None
+        joining = time.perf_counter() - t
+        t = time.perf_counter()
+        self.sync_weights(version=self.weight_version + 1)
+        metrics["time/sync"] = time.perf_counter() - t
+        metrics.update(self.sync_metrics)
+        metrics.update(self.replay.metrics())
+        self.replay.end_step()
+        metrics["time/step"] = time.perf_counter() - start
+        generation = sum(end - begin for begin, end in generated)
+        timing = {
+            "time/generation": generation,
+            "async/overlap_fraction": overlapped / generation if generation > 0 else 0.0,
+            "time/engine_idle": max(0.0, metrics["time/step"] - generation),
+        }
+        if self.mp_group.size() > 1:  # the generator rank's view on every rank
+            shared = [timing]
+            dist.broadcast_object_list(shared, src=self.mp_src, group=self.mp_group)
+            timing = shared[0]
+        metrics.update(timing)
+        # waiting for the rollout: the foreground fetch at the start, the join at the end
+        metrics["time/trainer_idle"] = metrics["time/rollout"] + joining
+        metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
+        self.step_index += 1
+        return mean_over_ranks(metrics)
 
     def train_on(
         self, samples: list[TrainSample], should_stop: Callable[[], bool] | None = None
@@ -368,12 +484,21 @@ class Trainer:
         return {
             "step": self.step_index,
             "weight_version": self.weight_version,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self._trained_sampler_state(),
             "bad_steps": self.nonfinite.consecutive,
             "config": _jsonable(dataclasses.asdict(self.config)),
         }
 
+    def _trained_sampler_state(self) -> dict:
+        """The sampler after the last batch trained on: with --async-rollout a batch generated
+        in the background is not part of the state (it is generated again after a resume)."""
+        if self._async is not None and self._async.pending:
+            return dict(self._async.sampler_before)
+        return self.sampler.state_dict()
+
     def load_state_dict(self, state: dict) -> None:
+        if self._async is not None:
+            self._async.clear()
         self.step_index = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.nonfinite.consecutive = int(state.get("bad_steps", 0))
@@ -381,6 +506,8 @@ class Trainer:
         self.sync_weights(version=int(state["weight_version"]))
 
     def close(self) -> None:
+        if self._async is not None:
+            self._async.clear()  # a generation still running (an error mid-step) ends first
         self.replay.close()
         close = getattr(self.engine, "close", None)
         if close is not None:

@@ -1,0 +1,262 @@
+"""--async-rollout: one-step-off-policy generation overlapping training, with bounded staleness,
+every prompt trained exactly once, and resume from the last trained batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from trainer_testing import rendezvous, small_config
+
+from megatron_rl.data.sampler import PromptSampler
+from megatron_rl.train.async_rollout import overlap, staleness_metrics
+from megatron_rl.train.config import TrainConfig, parse_args
+from megatron_rl.train.run import run
+from megatron_rl.train.trainer import Trainer
+
+
+def _tiny(tmp_path, **overrides) -> TrainConfig:
+    values = dict(
+        async_rollout=True,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        global_batch_size=4,
+        micro_batch_size=4,
+        max_response_length=2,
+    )
+    values.update(overrides)
+    return small_config(tmp_path, **values)
+
+
+def _expected_batches(sampler: PromptSampler, batch: int, steps: int) -> list[list[int]]:
+    fresh = PromptSampler(sampler.num_records, seed=sampler.seed, shuffle=sampler.shuffle)
+    return [fresh.next_batch(batch) for _ in range(steps)]
+
+
+class _Recorder:
+    """Wraps `Trainer.train_on`: the prompts, sample versions and trainer version of each step."""
+
+    def __init__(self, monkeypatch):
+        self.steps: list[dict] = []
+        real = Trainer.train_on
+        recorder = self
+
+        def train_on(trainer, samples, should_stop=None):
+            recorder.steps.append(
+                {
+                    "prompts": list(trainer.trained_prompts),
+                    "versions": [s.weight_version for s in samples],
+                    "trainer_version": trainer.weight_version,
+                }
+            )
+            return real(trainer, samples, should_stop)
+
+        monkeypatch.setattr(Trainer, "train_on", train_on)
+
+
+class _Killed(RuntimeError):
+    """The job dies (no stop signal, no final save)."""
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="--max-staleness=0"):
+        TrainConfig(async_rollout=True, max_staleness=0)
+    with pytest.raises(ValueError, match="without --async-rollout"):
+        TrainConfig(max_staleness=2)
+    config = parse_args(["--async-rollout", "--max-staleness", "2"])
+    assert config.async_rollout and config.max_staleness == 2
+    assert not parse_args([]).async_rollout and parse_args([]).max_staleness == 1
+
+
+def test_staleness_metrics_and_overlap_helpers():
+    out = staleness_metrics([3, 3, 4, 4], current=4, max_staleness=2)
+    assert out == {
+        "async/staleness_mean": 0.5,
+        "async/staleness_hist/0": 2.0,
+        "async/staleness_hist/1": 2.0,
+        "async/staleness_hist/2": 0.0,
+    }
+    assert overlap((0.0, 2.0), (1.0, 5.0)) == 1.0 and overlap((0.0, 1.0), (2.0, 3.0)) == 0.0
+
+
+def test_fifty_async_steps_train_every_prompt_once_within_the_staleness_bound(
+    tmp_path, monkeypatch
+):
+    """(a) no prompt lost or duplicated over 50 steps with a sync after each; (b) every trained
+    sample carries its weight version, one behind the trainer (0 at the first step)."""
+    recorder = _Recorder(monkeypatch)
+    steps = 50
+    trainer = Trainer(_tiny(tmp_path, train_iters=steps), **rendezvous(tmp_path))
+    try:
+        expected = _expected_batches(trainer.sampler, 2, steps)
+        rows = [trainer.step() for _ in range(steps)]
+        assert trainer.weight_version == steps  # one sync per step
+    finally:
+        trainer.close()
+    assert [s["prompts"] for s in recorder.steps] == expected
+    for k, step in enumerate(recorder.steps):
+        assert None not in step["versions"]
+        behind = {step["trainer_version"] - v for v in step["versions"]}
+        assert behind == ({0} if k == 0 else {1}), k
+    assert all(r["async/dropped_batches"] == 0 for r in rows)
+    assert all(r["async/staleness_mean"] <= 1 for r in rows)
+    assert rows[1]["async/staleness_hist/1"] == 4.0 and rows[1]["async/staleness_hist/0"] == 0.0
+    for key in ("async/overlap_fraction", "time/trainer_idle", "time/engine_idle"):
+        assert all(r[key] >= 0 for r in rows), key
+    assert 0 < rows[1]["async/overlap_fraction"] <= 1
+    assert rows[-1]["time/generation"] == 0.0  # nothing is generated after the last step
+
+
+def test_a_batch_beyond_max_staleness_is_dropped_and_regenerated(tmp_path, monkeypatch):
+    """An extra weight sync while the next batch waits puts it 2 versions behind: with S = 1 it
+    is generated again, for the same prompts, under the current weights."""
+    recorder = _Recorder(monkeypatch)
+    trainer = Trainer(_tiny(tmp_path, train_iters=4), **rendezvous(tmp_path))
+    try:
+        expected = _expected_batches(trainer.sampler, 2, 4)
+        rows = [trainer.step(), trainer.step()]
+        trainer.sync_weights(version=trainer.weight_version + 1)  # the artificial delay
+        rows += [trainer.step(), trainer.step()]
+    finally:
+        trainer.close()
+    assert [r["async/dropped_batches"] for r in rows] == [0.0, 0.0, 1.0, 0.0]
+    assert rows[2]["async/staleness_mean"] == 0.0  # regenerated with the trainer's weights
+    assert [s["prompts"] for s in recorder.steps] == expected
+    for step in recorder.steps:
+        assert max(step["trainer_version"] - v for v in step["versions"]) <= 1
+
+
+def test_a_stop_after_the_rollout_redraws_its_prompts(tmp_path, monkeypatch):
+    recorder = _Recorder(monkeypatch)
+    trainer = Trainer(_tiny(tmp_path, train_iters=4), **rendezvous(tmp_path))
+    try:
+        expected = _expected_batches(trainer.sampler, 2, 3)
+        trainer.step()
+        saved = trainer.state_dict()["sampler"]  # batch 1 is in flight, not part of the state
+        assert trainer.step(should_stop=lambda: True) is None
+        assert trainer.step_index == 1 and trainer.sampler.state_dict() == saved
+        trainer.step()
+        trainer.step()
+    finally:
+        trainer.close()
+    assert [s["prompts"] for s in recorder.steps] == expected
+
+
+def test_resume_mid_run_continues_from_the_last_trained_batch(tmp_path, monkeypatch):
+    """(c) the prompt sequence of a resumed async run equals the uninterrupted run's."""
+    recorder = _Recorder(monkeypatch)
+    straight = _tiny(tmp_path / "a", train_iters=5)
+    run(straight, **rendezvous(tmp_path, "rdzv_a"))
+    uninterrupted = [s["prompts"] for s in recorder.steps]
+    recorder.steps.clear()
+    first = _tiny(tmp_path / "b", train_iters=5, save=str(tmp_path / "b" / "ckpt"), save_interval=2)
+    real_step = Trainer.step
+
+    def step_until(trainer, should_stop=None):  # a stop signal after step 3 (batch 4 in flight)
+        metrics = real_step(trainer, should_stop)
+        if trainer.step_index == 3:
+            raise _Killed
+        return metrics
+
+    monkeypatch.setattr(Trainer, "step", step_until)
+    with pytest.raises(_Killed):
+        run(first, **rendezvous(tmp_path, "rdzv_b1"))
+    monkeypatch.setattr(Trainer, "step", real_step)
+    assert int((tmp_path / "b" / "ckpt" / "latest").read_text()) == 2
+    run(dataclasses.replace(first, load=first.save), **rendezvous(tmp_path, "rdzv_b2"))
+    resumed = [s["prompts"] for s in recorder.steps]
+    # steps 1-3 of the killed run, then steps 3-5 again from the step-2 checkpoint
+    assert resumed[:3] == uninterrupted[:3]
+    assert resumed[3:] == uninterrupted[2:]
+    rows = [json.loads(line) for line in (tmp_path / "b" / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows][-3:] == [3, 4, 5]
+    assert rows[-3]["async/staleness_mean"] == 0.0  # regenerated in the foreground on resume
+
+
+def test_async_run_logs_the_async_metrics(tmp_path):
+    """(d) a run() with --async-rollout writes every async metric to metrics.jsonl."""
+    run(small_config(tmp_path, async_rollout=True, train_iters=3), **rendezvous(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in (
+        "async/staleness_mean",
+        "async/staleness_hist/0",
+        "async/staleness_hist/1",
+        "async/overlap_fraction",
+        "async/dropped_batches",
+        "time/trainer_idle",
+        "time/engine_idle",
+    ):
+        assert all(key in r for r in rows), key
+    assert rows[1]["async/staleness_mean"] == 1.0
+
+
+def test_async_rollouts_through_the_sglang_http_client(tmp_path):
+    """The SGLang client's HTTP calls run in the generation thread just as well (the CPU loopback
+    server stands in for SGLang; weights synced through the disk transport)."""
+    from megatron_rl.data import BuiltinTaskConfig, builtin_task
+    from megatron_rl.rollout import InProcessEngine
+    from megatron_rl.rollout.loopback_server import LoopbackServer
+    from megatron_rl.train.setup import load_policy_config
+
+    config = small_config(tmp_path, async_rollout=True, train_iters=3)
+    tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.seed))
+    hf_config, _ = load_policy_config(config.task_config(), tokenizer)
+    server = LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=99)).start()
+    try:
+        sglang = dataclasses.replace(
+            config, rollout_engine="sglang", sglang_url=(server.url,), weight_sync_transport="disk"
+        )
+        last = run(sglang, **rendezvous(tmp_path))
+        assert server.engine.weight_version == 3  # one sync per step
+        assert last["rollout/weight_version"] == 1.0  # step 3's batch came from version 1
+        assert last["async/staleness_mean"] == 1.0
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_async_rollouts_with_two_tensor_parallel_ranks(tmp_path):
+    """The generator rank generates in the background; its tensor-parallel peer receives the
+    batch and the generation timings by broadcast."""
+    import torch.multiprocessing as mp
+    from test_trainer_e2e import _two_rank_worker
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    overrides = {"async_rollout": True, "tensor_model_parallel_size": 2, "train_iters": 3}
+    procs = [
+        ctx.Process(target=_two_rank_worker, args=(r, str(tmp_path), overrides, queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert results[0] == results[1]
+    assert results[0]["async/staleness_mean"] == 1.0
+    assert "async/overlap_fraction" in results[0] and "time/trainer_idle" in results[0]
+
+
+@pytest.mark.slow
+def test_the_main_job_learns_with_async_rollouts(tmp_path):
+    """(d) The embedded default with --async-rollout and the engine's log-probs as behaviour
+    (the policy that generated the one-version-old samples) reaches the sync run's bar."""
+    config = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        device="cpu",
+        progress=False,
+        async_rollout=True,
+        behavior_logprobs="rollout",
+    )
+    run(config, **rendezvous(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert len(rows) == config.train_iters
+    assert rows[0]["accuracy"] < 0.3
+    final = [r["accuracy"] for r in rows[-5:]]
+    assert sum(final) / len(final) >= 0.9, final
+    assert all(r["async/staleness_mean"] == 1.0 for r in rows[1:])
