@@ -29,13 +29,6 @@ comments say where 0.19 no longer needs one, the rest apply to both):
    clipping and grad buffers) allocate on the CPU; with shim 7 (``Tensor.type()`` names, held
    only around optimizer calls) this runs megatron's own optimizer, distributed included: see
    ``backend/cpu_optimizer.py`` (0.16-0.19).
-7. ``dist_checkpointing``'s file writer (``strategies/filesystem_async``) forks one process per
-   write bucket from a process that runs gloo and OpenMP threads; on this 2-core CPU machine a
-   forked writer once died before reporting (a fresh-clone CI run), and the save waited forever
-   on its ``JoinableQueue``. Its ``mp.get_context("fork")`` gets a context whose workers are
-   threads (`_ThreadWorkers`: same queues and ``Process`` interface, the
-   writes release the GIL); other contexts are torch's. Applied once the module is imported
-   (0.16; the writer is the same in 0.19).
 The sequence-parallel norm (torch's fallback norm refuses sequence parallelism) is a layer-spec
 swap that applies to any run without Transformer Engine: see ``backend/norm.py``.
 """
@@ -46,9 +39,7 @@ import contextlib
 import importlib
 import logging
 import os
-import queue
 import sys
-import threading
 import types
 from typing import Any
 
@@ -341,7 +332,6 @@ def activate_cpu_backend(force: bool = False) -> bool:
     """
     if _STATE["active"]:
         _redirect_loaded_modules()  # megatron modules imported since the first call
-        _thread_checkpoint_writers()
         return True
     if torch.cuda.is_available() and not force:
         logger.info("CUDA is available: CPU backend not activated")
@@ -369,40 +359,6 @@ def activate_cpu_backend(force: bool = False) -> bool:
     dispatcher = sys.modules["megatron.core.transformer.moe.token_dispatcher"]
     dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
 
-    _thread_checkpoint_writers()
     _STATE["active"] = True
     logger.info("CPU backend active: %d megatron-core modules redirected", patched)
     return True
-
-
-class _ThreadWorkers:
-    """A ``multiprocessing`` context whose ``Process`` is a thread (shim 7)."""
-
-    Queue = queue.Queue
-    JoinableQueue = queue.Queue  # put / get / task_done / join
-
-    class Process(threading.Thread):
-        def __init__(self, target=None, args=(), kwargs=None) -> None:
-            super().__init__(target=target, args=args, kwargs=kwargs or {}, daemon=True)
-
-
-class _MultiprocessingWithThreadForks(types.ModuleType):
-    """``torch.multiprocessing`` as seen by the checkpoint writer: "fork" gives threads."""
-
-    def __init__(self) -> None:
-        super().__init__("torch.multiprocessing")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.multiprocessing, name)
-
-    @staticmethod
-    def get_context(method: str | None = None):
-        if method == "fork":
-            return _ThreadWorkers
-        return torch.multiprocessing.get_context(method)
-
-
-def _thread_checkpoint_writers() -> None:
-    writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    if writer is not None and not isinstance(writer.mp, _MultiprocessingWithThreadForks):
-        writer.mp = _MultiprocessingWithThreadForks()
