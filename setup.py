@@ -30,6 +30,9 @@ setup(
         "math-verify[antlr4_13_2]>=0.9",
         "pyarrow>=15",
         "wandb>=0.19",
+        # megatron-core's dist_checkpointing writer calls psutil in each writer process, outside
+        # its error handling: without psutil a torch_dist save waits forever
+        "psutil>=5.9",
     ],
     entry_points={"console_scripts": ["megatron-rl-train = megatron_rl.train.__main__:main"]},
     extras_require={

@@ -70,7 +70,20 @@ _COMMON_KEY = "megatron_rl_optimizer_common"
 
 
 def _megatron_dist_checkpointing():
-    """megatron's dist_checkpointing with its torch_dist strategy, CPU shims applied on CPU."""
+    """megatron's dist_checkpointing with its torch_dist strategy, CPU shims applied on CPU.
+
+    Raises:
+        RuntimeError: psutil is missing. megatron-core 0.16's file writer calls it in every
+            writer process before its own error handling, so without it a worker dies without
+            reporting and the save waits forever (found in a fresh environment).
+    """
+    try:
+        import psutil  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            "--ckpt-format torch_dist needs psutil (megatron-core's checkpoint writer uses it): "
+            "pip install psutil"
+        ) from err
     import megatron.core.dist_checkpointing.strategies.async_utils
     import megatron.core.dist_checkpointing.strategies.filesystem_async
     import megatron.core.dist_checkpointing.strategies.state_dict_saver

@@ -204,3 +204,14 @@ def test_trainer_resumes_a_torch_dist_checkpoint_like_an_uninterrupted_run(tmp_p
     for key in a:
         if torch.is_tensor(a[key]):
             assert torch.equal(a[key], b[key]), key
+
+
+def test_torch_dist_without_psutil_fails_clearly_instead_of_hanging(monkeypatch):
+    """megatron's writer would die silently in each worker and the save would wait forever."""
+    import sys
+
+    from megatron_rl.train.dist_checkpoint import _megatron_dist_checkpointing
+
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    with pytest.raises(RuntimeError, match="needs psutil"):
+        _megatron_dist_checkpointing()
