@@ -156,16 +156,20 @@ class Trainer:
             return None
         metrics["time/rollout"] = time.perf_counter() - start
         metrics.update(self.train_on(samples, should_stop))
+        self._sync_and_close_step(metrics)
+        metrics["time/step"] = time.perf_counter() - start
+        metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
+        self.step_index += 1
+        return mean_over_ranks(metrics)
+
+    def _sync_and_close_step(self, metrics: dict[str, float]) -> None:
+        """Weight sync to the next version, then the sync's and routing replay's step metrics."""
         t = time.perf_counter()
         self.sync_weights(version=self.weight_version + 1)
         metrics["time/sync"] = time.perf_counter() - t
         metrics.update(self.sync_metrics)
         metrics.update(self.replay.metrics())
         self.replay.end_step()
-        metrics["time/step"] = time.perf_counter() - start
-        metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
-        self.step_index += 1
-        return mean_over_ranks(metrics)
 
     def rollout(self) -> tuple[list[TrainSample], dict[str, float]]:
         """This data-parallel rank's samples of the next prompt batch, and rollout metrics."""
@@ -258,12 +262,7 @@ class Trainer:
             overlapped = overlap(interval, train)
             state.generation = None
         joining = time.perf_counter() - t
-        t = time.perf_counter()
-        self.sync_weights(version=self.weight_version + 1)
-        metrics["time/sync"] = time.perf_counter() - t
-        metrics.update(self.sync_metrics)
-        metrics.update(self.replay.metrics())
-        self.replay.end_step()
+        self._sync_and_close_step(metrics)
         metrics["time/step"] = time.perf_counter() - start
         generation = sum(end - begin for begin, end in generated)
         timing = {
