@@ -11,6 +11,11 @@
     2 layers) runs the old-logprob pass (forward, log-probs, entropy) and one update (forward,
     backward, distributed-optimizer step) at ``--tokens`` tokens; the peak GPU memory is printed
     next to ``tools/memory_plan.py``'s prediction for the same layout.
+(c) The trainer's feature paths on ``--device`` (2 steps each, tiny model): every loss, R2 and R3
+    routing replay, the KL reference (offloaded to host between steps on CUDA), rollout
+    corrections with the engine's log-probs, token-budget balanced micro-batches, asynchronous
+    rollouts, and a ``torch_dist`` checkpoint saved and resumed. Each arm must finish with finite
+    metrics; a failing arm is reported with its error and the others still run.
 
 Needs megatron-core and transformers, not Transformer Engine or SGLang: without TE the local
 layer spec is used (``--transformer-impl local``), whose unfused attention keeps
@@ -149,6 +154,88 @@ def slice_memory_check(device: str, tokens: int, quick: bool, workdir: str) -> d
     }
 
 
+FEATURE_ARMS: dict[str, dict] = {
+    "vespo+r3+torch_dist": dict(loss="vespo", routing_replay="r3", ckpt_format="torch_dist"),
+    "epic+r2+kl": dict(loss="epic", routing_replay="r2", kl_coef=0.01),
+    "gspo+engine-logprobs+tis": dict(
+        loss="gspo", behavior_logprobs="rollout", rollout_correction="tis-token"
+    ),
+    "gspo_token+icepop+bf16-rollout": dict(
+        loss="gspo_token", rollout_correction="icepop", rollout_dtype="bfloat16"
+    ),
+    "dapo+token-budget+balance": dict(loss="dapo", max_tokens_per_gpu=64, balance_data=True),
+    "cispo+async": dict(loss="cispo", async_rollout=True),
+    "sapo": dict(loss="sapo"),
+    "topr": dict(loss="topr"),
+}
+
+
+def _finite_metrics(metrics: dict) -> list[str]:
+    """Names of the non-finite numbers in ``metrics`` (empty when all are finite)."""
+    bad = []
+    for name, value in metrics.items():
+        if isinstance(value, float) and not (value == value and abs(value) != float("inf")):
+            bad.append(name)
+    return bad
+
+
+def feature_matrix_check(device: str, quick: bool, workdir: str) -> dict:
+    """(c): each arm of ``FEATURE_ARMS`` trains 2 steps; the torch_dist arm resumes for a 3rd."""
+    from megatron_rl.train.config import TrainConfig
+    from megatron_rl.train.run import run
+
+    arms = {}
+    for name, extra in FEATURE_ARMS.items():
+        folder = os.path.join(workdir, "arm_" + "".join(c if c.isalnum() else "_" for c in name))
+        config = TrainConfig(
+            device=device,
+            transformer_impl="local",
+            train_iters=2,
+            rollout_batch_size=4,
+            n_samples_per_prompt=4,
+            global_batch_size=8,
+            micro_batch_size=4,
+            max_response_length=4,
+            run_dir=folder,
+            save=os.path.join(folder, "ckpt"),
+            progress=False,
+            seed=11,
+            **extra,
+        )
+        start = time.perf_counter()
+        try:
+            metrics = run(config)
+            if extra.get("ckpt_format") == "torch_dist":
+                metrics = run(dataclasses.replace(config, train_iters=3, load=config.save))
+            bad = _finite_metrics(metrics)
+            arms[name] = {"passed": not bad and bool(metrics), "non_finite": bad}
+        except Exception as error:  # one arm's failure must not hide the others
+            arms[name] = {"passed": False, "error": _error_tail(error)}
+        arms[name]["seconds"] = round(time.perf_counter() - start, 1)
+    return {
+        "check": "feature paths: losses, R2/R3, KL reference, corrections, budgets, async, "
+        "torch_dist resume",
+        "arms": arms,
+        "passed": all(arm["passed"] for arm in arms.values()),
+    }
+
+
+def _error_tail(error: BaseException) -> str:
+    """The last lines of ``error``'s traceback: enough to locate a failure from a remote log."""
+    import traceback
+
+    lines = traceback.format_exception(error)
+    return "".join(lines)[-1500:]
+
+
+def _guarded(check, *args) -> dict:
+    """Run one check; an exception becomes a failed result carrying its traceback's tail."""
+    try:
+        return check(*args)
+    except Exception as error:  # report and go on to the next check
+        return {"check": check.__name__, "passed": False, "error": _error_tail(error)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -163,10 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     quiet_third_party_warnings()
     results = []
     with tempfile.TemporaryDirectory() as workdir:
-        results.append(trainer_resume_check(args.device, args.quick, workdir))
-        print(json.dumps(results[-1]), flush=True)
-        results.append(slice_memory_check(args.device, args.tokens, args.quick, workdir))
-        print(json.dumps(results[-1]), flush=True)
+        checks = [
+            (trainer_resume_check, args.device, args.quick, workdir),
+            (feature_matrix_check, args.device, args.quick, workdir),
+            (slice_memory_check, args.device, args.tokens, args.quick, workdir),
+        ]
+        for check, *check_args in checks:
+            results.append(_guarded(check, *check_args))
+            print(json.dumps(results[-1]), flush=True)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=2)
