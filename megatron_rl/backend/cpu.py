@@ -21,7 +21,7 @@ comments say where 0.19 no longer needs one, the rest apply to both):
 3. ``get_default_causal_mask`` builds its mask with ``device="cuda"``; the fused-softmax module
    gets a CPU version, so ``attention_mask=None`` works (0.16-0.19).
 4. ``moe_utils``: without Transformer Engine, 0.16.1 never defines ``te_general_gemm`` and the
-   ``fused_*`` symbols, so the router raises NameError; they are defined as None. Fixed in 0.19.
+   ``fused_*`` symbols; `backend/without_te.py` defines them (on CUDA too). Fixed in 0.19.
 5. Alltoall dispatcher split sizes: on GPU they are moved to host numpy arrays; CPU tensors were
    left as tensors, which gloo's ``all_to_all_single`` rejects. The dispatcher's
    ``maybe_move_tensor_to_cpu`` is replaced by one that always returns numpy when asked (0.16-0.19).
@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from megatron_rl.backend.cpu_optimizer import CPU_FACTORIES, cpu_factory
+from megatron_rl.backend.without_te import define_missing_te_symbols
 
 logger = logging.getLogger(__name__)
 
@@ -79,18 +80,6 @@ _MEGATRON_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.distributed.param_and_grad_buffer",
-)
-
-_TE_MISSING_IN_MOE_UTILS = (
-    "fused_compute_score_for_moe_aux_loss",
-    "fused_moe_aux_loss",
-    "fused_permute",
-    "fused_permute_with_probs",
-    "fused_sort_chunks_by_index",
-    "fused_sort_chunks_by_index_with_probs",
-    "fused_topk_with_score_function",
-    "fused_unpermute",
-    "te_general_gemm",
 )
 
 
@@ -339,10 +328,7 @@ def activate_cpu_backend(force: bool = False) -> bool:
     for name in _MEGATRON_MODULES:
         importlib.import_module(name)
 
-    moe_utils = sys.modules["megatron.core.transformer.moe.moe_utils"]
-    for symbol in _TE_MISSING_IN_MOE_UTILS:
-        if not hasattr(moe_utils, symbol):
-            setattr(moe_utils, symbol, None)
+    define_missing_te_symbols()
 
     patched = _redirect_loaded_modules()
 

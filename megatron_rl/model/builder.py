@@ -4,6 +4,11 @@ Layer spec: Transformer Engine on CUDA (an error naming the fix when TE is missi
 local spec is asked for), the local (megatron-core only) spec on CPU. With TE, megatron's TE
 fusions are on (rope, MoE permute, gradient-accumulation into ``main_grad``). Both specs hold the
 same weights; `conversion.names` maps either set of parameter names to the HF names.
+
+Placement: megatron's layers allocate on ``torch.cuda.current_device()``, but the local spec's
+norms (``torch.nn.RMSNorm``) allocate on the CPU; megatron's own ``get_model`` moves the whole
+module with ``.cuda()``, and so does `build_model`, which then checks that every parameter and
+buffer is on the compute device.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from transformers import Qwen3MoeConfig
 
 from megatron_rl.backend import cuda_available
 from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_norm_in_spec
+from megatron_rl.backend.without_te import define_missing_te_symbols
 from megatron_rl.model.config import ModelOptions, rope_theta, to_transformer_config
 from megatron_rl.model.presets import load_hf_config
 
@@ -93,6 +99,7 @@ def build_model(
         config, use_transformer_engine=use_te, normalization="RMSNorm"
     )
     if not use_te:
+        define_missing_te_symbols()
         block_spec = swap_norm_in_spec(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
     model = GPTModel(
         config=config,
@@ -106,12 +113,38 @@ def build_model(
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
     )
+    device = compute_device()
+    if device.type == "cuda":
+        model.cuda(device)
+    check_placement(model, device)
     logger.info(
         "built %s-spec GPTModel: %d local parameters",
         "te" if use_te else "local",
         sum(p.numel() for p in model.parameters()),
     )
     return model
+
+
+def compute_device() -> torch.device:
+    """Where this process's model lives: the current CUDA device, or the CPU backend's CPU."""
+    if cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_placement(model: torch.nn.Module, device: torch.device) -> None:
+    """Raise naming the parameters/buffers of ``model`` that are not on ``device``."""
+    stray = [
+        f"{name} ({tensor.device})"
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if tensor.device != device
+    ]
+    if stray:
+        raise RuntimeError(
+            f"{len(stray)} model tensors are not on the compute device {device}: "
+            f"{', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''}; move the module after "
+            "building it (build_model does) or build it under the device's context"
+        )
 
 
 def causal_lm_logits(model: GPTModel, input_ids_BT: torch.Tensor) -> torch.Tensor:
