@@ -31,8 +31,15 @@ class ModelOptions:
     recompute: bool = False
     token_dispatcher: str = "alltoall"
     spec: str = "auto"  # layer spec: "auto" (TE on CUDA, local on CPU), "te" or "local"
+    # uneven pipeline stages: layers of the first / last stage (None: even split)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"ModelOptions.{name}={value!r}: must be an integer >= 1")
         if self.spec not in ("auto", "te", "local"):
             raise ValueError(f"ModelOptions.spec={self.spec!r}: choose 'auto', 'te' or 'local'")
         if self.dtype not in _DTYPES:
@@ -89,6 +96,16 @@ def to_transformer_config(
         extra.update(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if pp > 1:  # megatron's schedule: stages exchange [s, b, h] activations of varying shapes
+        extra.update(
+            pipeline_dtype=dtype,
+            variable_seq_lengths=True,
+            num_layers_in_first_pipeline_stage=options.first_stage_layers,
+            num_layers_in_last_pipeline_stage=options.last_stage_layers,
+        )
+    elif options.first_stage_layers is not None or options.last_stage_layers is not None:
+        raise ValueError("first_stage_layers / last_stage_layers need pipeline parallel size > 1")
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,

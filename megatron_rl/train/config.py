@@ -43,6 +43,9 @@ class TrainConfig:
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # uneven pipeline stages (megatron's names): layers of the first / last stage; None: even
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
     device: str = "auto"
@@ -118,6 +121,7 @@ class TrainConfig:
     load_fallback: bool = False  # a corrupted checkpoint: load the newest older one that verifies
     ckpt_format: str = "torch"  # "torch_dist": reshardable (resume at another TP/EP/DP layout)
     save_interval: int = 0
+    async_save: bool = False  # torch_dist: write in the background, commit when it finishes
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_mode: str = "offline"
@@ -194,6 +198,11 @@ class TrainConfig:
             raise ValueError(f"--save-interval={self.save_interval}: must be >= 0")
         if self.ckpt_format not in ("torch", "torch_dist"):
             raise ValueError(f"--ckpt-format={self.ckpt_format}: choose torch or torch_dist")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            raise ValueError(
+                "--async-save needs --ckpt-format torch_dist (megatron dist_checkpointing's "
+                "asynchronous writer); add it or drop --async-save"
+            )
         if self.save_interval and not self.save:
             raise ValueError(
                 f"--save-interval {self.save_interval} without --save: nothing would be saved; "
@@ -236,12 +245,19 @@ class TrainConfig:
                 "--optimizer-cpu-offload needs --use-distributed-optimizer (megatron offloads "
                 "through its distributed, precision-aware optimizer)"
             )
-        if self.pipeline_model_parallel_size > 1 or self.context_parallel_size > 1:
+        if self.context_parallel_size > 1:
             raise ValueError(
-                "--pipeline-model-parallel-size and --context-parallel-size > 1 are not supported "
-                "by the trainer yet (the model, routing alignment and losses support them; the "
-                "trainer's schedule does not); use tensor/expert/data parallelism"
+                "--context-parallel-size > 1 is not supported by the trainer yet (its attention "
+                "needs Transformer Engine; the sharding and the losses' CP reductions are in "
+                "megatron_rl/train/context_parallel.py); use tensor/pipeline/expert parallelism"
             )
+        uneven = (self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers)
+        for name, value in zip(("first", "last"), uneven, strict=True):
+            if value is not None and (self.pipeline_model_parallel_size == 1 or value < 1):
+                raise ValueError(
+                    f"--decoder-{name}-pipeline-num-layers={value}: needs "
+                    "--pipeline-model-parallel-size > 1 and a value >= 1"
+                )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         if self.rollout_engine == "sglang" and not self.sglang_url:
@@ -289,6 +305,7 @@ class TrainConfig:
         return ParallelConfig(
             tensor_parallel=self.tensor_model_parallel_size,
             expert_parallel=self.expert_model_parallel_size,
+            pipeline_parallel=self.pipeline_model_parallel_size,
             sequence_parallel=self.sequence_parallel,
             seed=self.seed,
         )
@@ -302,6 +319,8 @@ class TrainConfig:
             routing_replay=self.routing_replay != "off",
             recompute=self.recompute_granularity == "full",
             spec={"transformer_engine": "te"}.get(self.transformer_impl, self.transformer_impl),
+            first_stage_layers=self.decoder_first_pipeline_num_layers,
+            last_stage_layers=self.decoder_last_pipeline_num_layers,
         )
 
     def replay_config(self) -> ReplayConfig:
@@ -475,6 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
     add(g, "model", help="a preset (tiny, tiny-dense-tied, qwen3-30b-a3b, ...) or HF checkpoint")
     for name in ("tensor", "expert", "pipeline"):
         add(g, f"{name}-model-parallel-size")
+    for name in ("first", "last"):
+        add(
+            g,
+            f"decoder-{name}-pipeline-num-layers",
+            type=int,
+            help=f"layers of the {name} pipeline stage (uneven stages); the rest are split evenly",
+        )
     add(g, "context-parallel-size")
     add(g, "sequence-parallel", action="store_true")
     add(g, "device", choices=("auto", "cpu", "cuda"))
@@ -635,6 +661,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint format of --save: torch (per-rank files, resume at the same layout) or "
         "torch_dist (megatron dist_checkpointing: resume at another TP/EP/DP layout); --load "
         "reads either",
+    )
+    add(
+        g,
+        "async-save",
+        action="store_true",
+        help="torch_dist: write checkpoints in the background; a step folder is committed "
+        "(checksums, 'latest') only once its write has finished",
     )
     g.add_argument("--no-progress", dest="progress", action="store_false")
     add(g, "max-bad-steps")

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_gpu_smoke_rehearsal_resumes_exactly_and_runs_the_slice(tmp_path):
+def test_gpu_smoke_rehearsal_resumes_exactly_runs_every_feature_arm_and_the_slice(tmp_path):
     out = tmp_path / "smoke.json"
     argv = ["--device", "cpu", "--quick", "--tokens", "128", "--out", str(out)]
     result = subprocess.run(
@@ -24,6 +24,10 @@ def test_gpu_smoke_rehearsal_resumes_exactly_and_runs_the_slice(tmp_path):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    resume, slice_ = json.loads(out.read_text())
+    resume, features, throughput, slice_ = json.loads(out.read_text())
     assert resume["passed"] and resume["max_abs_param_diff"] == 0.0
+    assert resume["run_to_run_diff"] == 0.0  # the CPU is deterministic: the floor is exact
+    assert features["passed"], features["arms"]
+    assert set(features["arms"]) >= {"vespo+r3+torch_dist", "epic+r2+kl", "cispo+async"}
+    assert throughput["sync_samples_per_s"][0] > 0 and throughput["async_samples_per_s"][0] > 0
     assert slice_["passed"] and slice_["finite"] and slice_["plan_gib"] > 0
