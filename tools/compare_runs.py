@@ -32,7 +32,8 @@ PANELS = (
     ("reward/mean", "reward"),
     ("clip_frac", "clip fraction (any side)"),
     ("entropy", "entropy"),
-    ("routing/agreement", "routing agreement"),
+    ("routing/agreement/behaviour", "routing agreement, engine vs trainer (R3)"),
+    ("routing/agreement/update", "routing agreement after updates"),
 )
 
 
@@ -117,7 +118,7 @@ def summary(arms: dict[str, list[dict]], walls: dict[str, float], threshold: flo
         lines.append(
             f"| {name} | {last.get('accuracy', float('nan')):.3f} | "
             f"{reached if reached is not None else 'not reached'} | "
-            f"{int(last.get('routing/state_bytes', 0))} | {wall:.0f} |"
+            f"{int(last.get('routing/bytes_per_rank', 0))} | {wall:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -59,20 +59,29 @@ class ReplayPasses:
         self.driver = driver
         self.mode = mode
         self.layout = layout or TokenLayout()
+        self._sample_route_bytes = 0  # R3: bytes of the engine's routes of this step's samples
 
     def behaviour(self, key: Hashable, batch: RoutedMicroBatch) -> ContextManager[None]:
-        """Around the old-logprob forward of micro-batch ``key``: R2 records, R3 replays."""
+        """Around the old-logprob forward of micro-batch ``key``: R2 records, R3 replays.
+
+        R3: the engine's routes of the batch are counted in ``routing/bytes_per_rank`` (they are
+        held from the rollout to the step's last update)."""
         if self.mode == "r2":
             return self.driver.record(key)
-        return self.update(key, batch)
+        if self.mode == "r3":
+            self._sample_route_bytes += sum(blob.nbytes for blob in batch.routes if blob)
+        return self._replay(key, batch, "behaviour")
 
     def update(self, key: Hashable, batch: RoutedMicroBatch) -> ContextManager[None]:
         """Around an update's forward *and* backward of micro-batch ``key``: R2/R3 replay."""
+        return self._replay(key, batch, "update")
+
+    def _replay(self, key: Hashable, batch: RoutedMicroBatch, phase: str) -> ContextManager[None]:
         if self.mode == "off":
             return contextlib.nullcontext()
         if self.mode == "r2":
-            return self.driver.replay(key=key)
-        return self.driver.replay(routes=self._engine_routes(batch))
+            return self.driver.replay(key=key, phase=phase)
+        return self.driver.replay(routes=self._engine_routes(batch), phase=phase)
 
     def _engine_routes(self, batch: RoutedMicroBatch) -> list[torch.Tensor]:
         if any(blob is None for blob in batch.routes):
@@ -90,11 +99,17 @@ class ReplayPasses:
         return self.driver.routes_for_micro_batch(batch.routes, batch.lengths, sources)
 
     def metrics(self) -> dict[str, float]:
-        """This step's routing metrics (agreement, state bytes); empty when off."""
-        return {} if self.driver is None else self.driver.metrics()
+        """This step's routing metrics; empty when off. ``routing/bytes_per_rank``: routing
+        bytes this rank held for the step in any mode (R2 recordings, R3 sample routes)."""
+        if self.driver is None:
+            return {}
+        out = self.driver.metrics()
+        out["routing/bytes_per_rank"] = out["routing/state_bytes"] + self._sample_route_bytes
+        return out
 
     def end_step(self) -> None:
         """Drop this step's recordings and counts."""
+        self._sample_route_bytes = 0
         if self.driver is not None:
             self.driver.end_step()
 

@@ -39,7 +39,9 @@ from megatron_rl.routing.alignment import TokenSources, gather_routes
 from megatron_rl.routing.codec import RoutingBlob, RoutingCodec
 from megatron_rl.routing.modes import REPLAY_MODES, ReplayConfig
 
-__all__ = ["REPLAY_MODES", "ReplayConfig", "RoutingReplay"]
+__all__ = ["PHASES", "REPLAY_MODES", "ReplayConfig", "RoutingReplay"]
+
+PHASES = ("behaviour", "update")
 
 
 class RoutingReplay:
@@ -76,8 +78,12 @@ class RoutingReplay:
         self.layer_columns = [list(moe_layer_numbers).index(n) for n in self.layer_numbers]
         self._recorded: dict[Hashable, RoutingBlob] = {}
         num_layers = len(self.routers)
-        self._agree = torch.zeros(num_layers, dtype=torch.float64)
-        self._seen = torch.zeros(num_layers, dtype=torch.float64)
+        # agreement counts per phase: "behaviour" (old-logprob pass: R3's engine routes vs the
+        # trainer at the same weights, the train-inference mismatch) and "update" (after each
+        # optimizer step: the policy's own drift from the replayed routes)
+        self._agree = {p: torch.zeros(num_layers, dtype=torch.float64) for p in PHASES}
+        self._seen = {p: torch.zeros(num_layers, dtype=torch.float64) for p in PHASES}
+        self._phase = "update"
         self._reset_pass()
         self._handles = [
             router.register_forward_pre_hook(self._make_router_hook(j))
@@ -228,8 +234,8 @@ class RoutingReplay:
                 f"targets are {tuple(target.shape)}"
             )
         same = (own == target.to(own.device).sort(dim=-1).values).all(dim=-1)
-        self._agree[j] += same.sum().item()
-        self._seen[j] += same.numel()
+        self._agree[self._phase][j] += same.sum().item()
+        self._seen[self._phase][j] += same.numel()
 
     # ------------------------------------------------------------------ one micro-batch
     @contextlib.contextmanager
@@ -250,13 +256,16 @@ class RoutingReplay:
         *,
         key: Hashable | None = None,
         routes: Sequence[torch.Tensor] | None = None,
+        phase: str = "update",
     ) -> Iterator[None]:
         """Replay (or, record_only, compare with) R2 routes under ``key`` or given ``routes``.
 
         Run the forward *and* the backward inside the block when activation recompute is on.
+        ``phase`` ("behaviour" or "update") is where the agreement counts go.
         """
         if (key is None) == (routes is None):
             raise ValueError("pass exactly one of key (R2) and routes (R3)")
+        self.set_phase(phase)
         if routes is None:
             if key not in self._recorded:
                 raise RuntimeError(f"no routes were recorded under key {key!r} in this step")
@@ -270,6 +279,12 @@ class RoutingReplay:
             succeeded = True
         finally:
             self._finish(succeeded)
+
+    def set_phase(self, phase: str) -> None:
+        """Count the agreement of the replay passes that follow under ``phase``."""
+        if phase not in PHASES:
+            raise ValueError(f"phase={phase!r}: choose one of {PHASES}")
+        self._phase = phase
 
     def _finish(self, succeeded: bool) -> None:
         if succeeded:
@@ -315,12 +330,18 @@ class RoutingReplay:
         return sum(blob.nbytes for blob in self._recorded.values())
 
     def metrics(self) -> dict[str, float]:
+        """``routing/state_bytes`` (R2 recordings) and, per phase that compared routes,
+        ``routing/agreement/<phase>`` (share of token-layers whose top-k set equals the target)
+        with ``routing/agreement/<phase>/layer_<n>`` per local MoE layer."""
         out = {"routing/state_bytes": float(self.state_bytes())}
-        if self._seen.sum() > 0:
-            out["routing/agreement"] = float(self._agree.sum() / self._seen.sum())
+        for phase in PHASES:
+            agree, seen = self._agree[phase], self._seen[phase]
+            if seen.sum() == 0:
+                continue
+            out[f"routing/agreement/{phase}"] = float(agree.sum() / seen.sum())
             for j, number in enumerate(self.layer_numbers):
-                if self._seen[j] > 0:
-                    out[f"routing/agreement/layer_{number}"] = float(self._agree[j] / self._seen[j])
+                if seen[j] > 0:
+                    out[f"routing/agreement/{phase}/layer_{number}"] = float(agree[j] / seen[j])
         return out
 
     def end_step(self) -> None:
@@ -328,8 +349,9 @@ class RoutingReplay:
         if self._kind is not None:
             raise RuntimeError(f"end_step() with a {self._kind!r} pass still open")
         self._recorded.clear()
-        self._agree.zero_()
-        self._seen.zero_()
+        for phase in PHASES:
+            self._agree[phase].zero_()
+            self._seen[phase].zero_()
 
     def close(self) -> None:
         for handle in self._handles:

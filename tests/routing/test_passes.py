@@ -112,3 +112,31 @@ def test_a_driver_goes_with_every_mode_but_off():
         ReplayPasses(None, mode="r2")
     with pytest.raises(ValueError, match="tp_rank=2"):
         TokenLayout(tp_size=2, tp_rank=2)
+
+
+def test_r3_agreement_is_reported_per_phase_and_sample_routes_count_as_bytes(ws1):
+    config, model = tiny_moe()
+    seq = 10
+    tokens = _tokens(config, seq)
+    codec = RoutingCodec(config.num_experts, config.num_experts_per_tok)
+    with torch.no_grad():
+        _, engine = chosen_experts(model, lambda: logits_of(model, tokens))
+    blob = codec.encode(torch.stack(engine, dim=1)[: seq - 1])
+    batch = RoutedMicroBatch([seq], seq, [blob])
+    passes = _passes(model, config, mode="r3", record_only=True)
+    with torch.no_grad(), passes.behaviour((0, 0), batch):  # same weights as the "engine"
+        logits_of(model, tokens)
+    perturb_routers(model)  # the update passes see a policy that moved
+    with torch.no_grad(), passes.update((0, 0), batch):
+        logits_of(model, tokens)
+    metrics = passes.metrics()
+    assert metrics["routing/agreement/behaviour"] > 0.85  # all but the padded last position
+    assert metrics["routing/agreement/update"] < 0.5
+    assert {f"routing/agreement/behaviour/layer_{n}" for n in moe_layer_numbers(config)} <= set(
+        metrics
+    )
+    assert metrics["routing/state_bytes"] == 0  # R3 keeps no recordings in the driver...
+    assert metrics["routing/bytes_per_rank"] == blob.nbytes  # ...the samples hold the routes
+    passes.end_step()
+    assert passes.metrics()["routing/bytes_per_rank"] == 0
+    passes.close()

@@ -44,7 +44,7 @@ def test_r2_replay_reproduces_recorded_routing_after_heavy_router_perturbation(w
     router_grads = [m.weight.grad for m in driver.routers]
     assert all(g is not None and g.abs().sum() > 0 for g in router_grads), "router lost gradient"
     metrics = driver.metrics()
-    assert metrics["routing/agreement"] < 0.5  # the perturbed router disagrees with the replay
+    assert metrics["routing/agreement/update"] < 0.5  # perturbed: disagrees with the replay
     assert metrics["routing/state_bytes"] == driver.codec.nbytes(2 * 12, 2)
     driver.end_step()
     assert driver.state_bytes() == 0
@@ -92,14 +92,14 @@ def test_record_only_measures_agreement_without_changing_routing(ws1):
         logits_of(model, tokens)
     with torch.no_grad(), driver.replay(key="mb0"):
         before = logits_of(model, tokens)
-    assert driver.metrics()["routing/agreement"] == 1.0
+    assert driver.metrics()["routing/agreement/update"] == 1.0
     perturb_routers(model)
     with torch.no_grad():
         _, free = chosen_experts(model, lambda: logits_of(model, tokens))
     with torch.no_grad(), driver.replay(key="mb0"):
         _, observed = chosen_experts(model, lambda: logits_of(model, tokens))
     assert all(torch.equal(a, b) for a, b in zip(free, observed, strict=True))
-    assert driver.metrics()["routing/agreement"] < 1.0
+    assert driver.metrics()["routing/agreement/update"] < 1.0
     assert before.shape[0] == 2
     driver.close()
 

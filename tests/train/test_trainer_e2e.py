@@ -62,10 +62,16 @@ def test_every_loss_trains_end_to_end(tmp_path, monkeypatch):
 def test_routing_replay_modes_run_and_report_state_and_agreement(tmp_path, replay):
     last = run(small_config(tmp_path, **replay), **rendezvous(tmp_path))
     assert last["routing/state_bytes"] >= 0
-    assert 0.0 <= last["routing/agreement"] <= 1.0
+    assert 0.0 <= last["routing/agreement/update"] <= 1.0
+    # every mode holds routing bytes: R2 its recordings, R3 the engine's routes in the samples
+    assert last["routing/bytes_per_rank"] > 0
     if replay["routing_replay"] == "r2":
-        assert last["routing/state_bytes"] > 0
-        assert last["routing/agreement"] > 0.5  # the policy moved a little within one step
+        assert last["routing/state_bytes"] == last["routing/bytes_per_rank"]
+        assert last["routing/agreement/update"] > 0.5  # the policy moved a little in one step
+        assert "routing/agreement/behaviour" not in last  # R2 records its own routes there
+    else:  # R3: the behaviour pass compares the engine's routes with the trainer's, same weights
+        assert last["routing/state_bytes"] == 0
+        assert 0.0 <= last["routing/agreement/behaviour"] <= 1.0
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert os.path.exists(tmp_path / "run" / "learning_curve.png")
@@ -253,7 +259,7 @@ def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
         assert server.engine.weight_version == 2  # one sync per step
         assert last["rollout/weight_version"] == 1.0  # the step-2 rollout came from version 1
         assert last["mismatch/train_rollout_logprob_abs_gap"] < 1e-4  # weights really arrived
-        assert "routing/agreement" in last
+        assert "routing/agreement/update" in last and "routing/agreement/behaviour" in last
     finally:
         server.stop()
 
