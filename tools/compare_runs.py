@@ -1,69 +1,259 @@
-"""Run (or read) a grid of arms and compare them: losses x routing replay x staleness N.
+"""Run (or read) a study: a grid of RL arms, each over K seeds, with 95% confidence intervals.
 
-    python tools/compare_runs.py --out runs/compare --losses grpo gspo vespo epic \
-        --replay off r2 r3 --staleness 1 4 --train-iters 40 [-- extra trainer flags]
-    python tools/compare_runs.py --out runs/compare --read        # re-plot existing arms
+    python tools/compare_runs.py --out runs/study --preset mismatch --seeds 3 \
+        --losses grpo vespo --replay r3rec r3 --staleness 4 --train-iters 20 --jobs 2
+    python tools/compare_runs.py --out runs/study --read     # re-plot / re-summarise finished runs
 
-Each arm is ``python -m megatron_rl.train`` on the embedded default (tiny Qwen3-MoE, built-in
-task, in-process engine, megatron on CPU) in its own process and run directory
-``<out>/<loss>-<replay>-N<n>``. Staleness N is set through ``--global-batch-size`` = samples per
-rollout / N. The script writes ``curves.png`` (accuracy, reward, clip fraction, entropy and
-routing agreement against step) and ``summary.md`` (final accuracy, first step reaching
-``--threshold``, routing bytes per rank, wall time) into ``--out``.
+Each (arm, seed) is ``python -m megatron_rl.train ... --seed <s>`` on the embedded default
+(in-process engine, megatron on CPU) in its own process and run directory
+``<out>/<arm>/seed<s>`` (metrics in ``metrics.jsonl``; trainer output in ``<out>/logs/``). Up to
+``--jobs`` processes run at once (default: the machine's cores; each gets
+``OMP_NUM_THREADS = cores // jobs`` unless set). A run that exits 0 gets a ``done.json`` marker
+(its flags, wall time and the child's peak RSS from ``wait4``'s ``ru_maxrss``); an interrupted
+study run again skips every marked run and reruns the others from scratch. A marked run whose
+flags differ from the ones the study would pass now is an error (use another ``--out``).
+
+Grid axes (arm name ``<loss>-<replay>-N<n>[-<routing dtype>][-<correction>][-<rollout dtype>]``,
+the optional parts only when not the default):
+
+* ``--losses``; ``--replay`` off, r2, r3, or r3rec (R3 routes recorded and compared, nothing
+  replayed: ``--routing-replay r3 --routing-record-only``, the control that *measures* the
+  mismatch of an unreplayed run); ``--staleness`` N (``--global-batch-size`` = samples per
+  rollout / N: N optimizer steps per rollout);
+* ``--routing-dtype``: the codec routes are stored in. It changes routing bytes and memory only,
+  not the training (the decoded routes are identical), and only for r2/r3/r3rec arms;
+* ``--rollout-correction``: only meaningful where engine and trainer log-probs differ (bf16
+  rollouts); arms with a correction and float32 rollouts are skipped (their weights are 1);
+* ``--rollout-dtype``: the in-process engine's dtype (default: the preset's).
+
+``--preset mismatch``: ``--model tiny-mismatch --rollout-dtype bfloat16``. The engine computes in
+bf16 while the trainer computes in fp32; tiny-mismatch (64 experts, top-8, 4 layers) has 64 close
+router logits per token, and bf16's rounding of the hidden state moves them by about their
+spacing, so the engine and the trainer pick different top-8 sets on a few percent of
+token-layers, more in deeper layers (see megatron_rl/model/presets.py). The log-prob gap
+(``mismatch/train_rollout_logprob_abs_gap``) then comes from both the bf16 arithmetic and the
+flipped routes. ``--preset none``: the plain tiny model, fp32 on both sides (no mismatch).
+
+Outputs in ``--out``: ``summary.md`` (per arm: mean +- 95% t-interval over seeds of each metric,
+per-layer behaviour agreement, and every arm's difference from the reference arm with its Welch
+interval, saying which differences are within noise) and ``curves.png`` (per-step mean over seeds
+with a 95% band). Statistics: megatron_rl/study/stats.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import itertools
 import json
+import math
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import matplotlib
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from megatron_rl.study import stats  # noqa: E402
+
+PRESETS = {
+    "none": {"model": None, "rollout_dtype": "float32"},
+    "mismatch": {"model": "tiny-mismatch", "rollout_dtype": "bfloat16"},
+}
+REPLAY_FLAGS = {
+    "off": ["--routing-replay", "off"],
+    "r2": ["--routing-replay", "r2"],
+    "r3": ["--routing-replay", "r3"],
+    "r3rec": ["--routing-replay", "r3", "--routing-record-only"],
+}
+ROUTING_DTYPES = ("auto", "uint8", "int16", "int32", "packed")
+CORRECTIONS = ("none", "tis-token", "tis-seq", "mis-token", "mis-seq", "icepop")
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+DONE = "done.json"
+METRICS = "metrics.jsonl"
 
 PANELS = (
     ("accuracy", "accuracy"),
     ("reward/mean", "reward"),
     ("clip_frac", "clip fraction (any side)"),
     ("entropy", "entropy"),
-    ("routing/agreement/behaviour", "routing agreement, engine vs trainer (R3)"),
+    ("routing/agreement/behaviour", "routing agreement, engine vs trainer"),
     ("routing/agreement/update", "routing agreement after updates"),
+    ("mismatch/train_rollout_logprob_abs_gap", "|train - rollout| log-prob"),
+    ("grad_norm", "grad norm"),
 )
 
 
-def arm_name(loss: str, replay: str, staleness: int) -> str:
-    return f"{loss}-{replay}-N{staleness}"
+# ---------------------------------------------------------------------------------- the grid
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    loss: str
+    replay: str
+    staleness: int
+    routing_dtype: str = "auto"
+    correction: str = "none"
+    rollout_dtype: str = "float32"
+    default_rollout_dtype: str = "float32"
+
+    @property
+    def name(self) -> str:
+        parts = [self.loss, self.replay, f"N{self.staleness}"]
+        if self.routing_dtype != "auto":
+            parts.append(self.routing_dtype)
+        if self.correction != "none":
+            parts.append(self.correction)
+        if self.rollout_dtype != self.default_rollout_dtype:
+            parts.append(DTYPE_SHORT[self.rollout_dtype])
+        return "-".join(parts)
 
 
-def run_arm(out: Path, loss: str, replay: str, staleness: int, args, extra: list[str]) -> float:
+def build_grid(args) -> tuple[list[Arm], list[str]]:
+    """The arms of the grid and a note per skipped combination."""
+    default_dtype = PRESETS[args.preset]["rollout_dtype"]
+    arms, skipped = [], []
+    for loss, replay, n, codec, correction, dtype in itertools.product(
+        args.losses,
+        args.replay,
+        args.staleness,
+        args.routing_dtype,
+        args.rollout_correction,
+        args.rollout_dtype or [default_dtype],
+    ):
+        arm = Arm(loss, replay, n, codec, correction, dtype, default_dtype)
+        if codec != "auto" and replay == "off":
+            skipped.append(f"{arm.name}: --routing-dtype only matters with routes (r2/r3/r3rec)")
+        elif correction != "none" and dtype == "float32":
+            skipped.append(
+                f"{arm.name}: --rollout-correction with float32 rollouts (engine and trainer "
+                "log-probs agree to ~1e-7, the weights are 1)"
+            )
+        else:
+            arms.append(arm)
+    return arms, skipped
+
+
+def arm_flags(arm: Arm, args) -> list[str]:
+    """Trainer flags of one arm (seed, run dir and extra flags excluded)."""
     samples = args.rollout_batch_size * args.n_samples_per_prompt
-    if samples % staleness:
-        raise ValueError(f"N={staleness} does not divide {samples} samples per rollout")
-    global_batch = samples // staleness
+    if samples % arm.staleness:
+        raise ValueError(
+            f"--staleness {arm.staleness} does not divide --rollout-batch-size x "
+            f"--n-samples-per-prompt = {samples} samples per rollout; choose N among its divisors"
+        )
+    global_batch = samples // arm.staleness
     micro = min(args.micro_batch_size, global_batch)
-    command = [
-        sys.executable, "-m", "megatron_rl.train",
-        "--loss", loss, "--routing-replay", replay,
+    while global_batch % micro:
+        micro -= 1
+    model = PRESETS[args.preset]["model"]
+    return [
+        *(["--model", model] if model else []),
+        "--loss", arm.loss, *REPLAY_FLAGS[arm.replay],
+        "--routing-dtype", arm.routing_dtype, "--rollout-correction", arm.correction,
+        "--rollout-dtype", arm.rollout_dtype,
         "--train-iters", str(args.train_iters),
         "--rollout-batch-size", str(args.rollout_batch_size),
         "--n-samples-per-prompt", str(args.n_samples_per_prompt),
         "--global-batch-size", str(global_batch), "--micro-batch-size", str(micro),
-        "--run-dir", str(out / arm_name(loss, replay, staleness)), "--no-progress",
-        *extra,
     ]  # fmt: skip
-    start = time.perf_counter()
-    subprocess.run(command, check=True)
-    return time.perf_counter() - start
 
 
-def read_arm(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+# ---------------------------------------------------------------------------------- running
+@dataclasses.dataclass
+class Job:
+    """One (arm, seed) run: ``flags`` are what the marker records (resume compares them)."""
+
+    arm: str
+    seed: int
+    run_dir: Path
+    log: Path
+    flags: list[str]
+
+
+def is_done(job: Job) -> bool:
+    """A run is finished when its marker exists; a marker with other flags is an error."""
+    marker = job.run_dir / DONE
+    if not marker.exists():
+        return False
+    recorded = json.loads(marker.read_text())["flags"]
+    if recorded != job.flags:
+        raise SystemExit(
+            f"{job.run_dir} finished with other flags than this study would pass:\n"
+            f"  recorded: {shlex.join(recorded)}\n  now:      {shlex.join(job.flags)}\n"
+            "use another --out for the new study (or delete that run folder to rerun it)"
+        )
+    return True
+
+
+def _write_marker(job: Job, wall_s: float, peak_rss_kb: int) -> None:
+    marker = {"flags": job.flags, "wall_s": wall_s, "peak_rss_mb": peak_rss_kb / 1024.0}
+    tmp = job.run_dir / (DONE + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=1))
+    os.replace(tmp, job.run_dir / DONE)  # atomic: a marker is complete or absent
+
+
+def run_jobs(
+    jobs: Sequence[Job],
+    max_parallel: int,
+    command: Callable[[Job], list[str]],
+    env: dict[str, str] | None = None,
+    echo: Callable[[str], None] = print,
+) -> list[Job]:
+    """Run the unfinished jobs, up to ``max_parallel`` at once; return the failed ones.
+
+    A job's stale run directory (an interrupted run) is removed before it starts. Each child is
+    reaped with ``os.wait4`` for its own peak RSS.
+    """
+    if max_parallel < 1:
+        raise ValueError(f"--jobs {max_parallel}: must be >= 1")
+    pending = [job for job in jobs if not is_done(job)]
+    echo(f"{len(jobs) - len(pending)} of {len(jobs)} runs already finished; {len(pending)} to run")
+    running: dict[int, tuple[Job, subprocess.Popen, float]] = {}
+    failed: list[Job] = []
+    try:
+        while pending or running:
+            while pending and len(running) < max_parallel:
+                job = pending.pop(0)
+                if job.run_dir.exists():
+                    shutil.rmtree(job.run_dir)
+                job.log.parent.mkdir(parents=True, exist_ok=True)
+                with job.log.open("w") as log:
+                    proc = subprocess.Popen(
+                        command(job), stdout=log, stderr=subprocess.STDOUT, env=env
+                    )
+                running[proc.pid] = (job, proc, time.perf_counter())
+                echo(f"started {job.arm} seed {job.seed}")
+            pid, status, usage = os.wait4(-1, 0)
+            if pid not in running:
+                continue
+            job, proc, start = running.pop(pid)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            wall = time.perf_counter() - start
+            if proc.returncode == 0 and (job.run_dir / METRICS).exists():
+                _write_marker(job, wall, usage.ru_maxrss)
+                echo(f"finished {job.arm} seed {job.seed} in {wall:.0f} s")
+            else:
+                failed.append(job)
+                echo(f"FAILED {job.arm} seed {job.seed} (exit {proc.returncode}); see {job.log}")
+    finally:
+        for _, proc, _ in running.values():  # interrupted: stop our children, leave no marker
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+        for _, proc, _ in running.values():
+            with contextlib.suppress(ChildProcessError):
+                proc.wait()
+    return failed
+
+
+# ---------------------------------------------------------------------------------- reading
+def read_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / METRICS
     if not path.exists():
         return []
     with path.open() as handle:
@@ -72,83 +262,372 @@ def read_arm(run_dir: Path) -> list[dict]:
 
 def clip_fraction(row: dict) -> float | None:
     values = [
-        v for k, v in row.items() if k.endswith("clip_frac_high") or k.endswith("clip_frac_low")
+        v
+        for k, v in row.items()
+        if (k.endswith("clip_frac_high") or k.endswith("clip_frac_low")) and v is not None
     ]
-    values = [v for v in values if v is not None]
     return sum(values) if values else None
 
 
-def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    steps, values = [], []
+def value(row: dict, key: str) -> float | None:
+    return clip_fraction(row) if key == "clip_frac" else row.get(key)
+
+
+def curve(rows: list[dict], key: str) -> dict[int, float]:
+    out = {}
     for row in rows:
-        value = clip_fraction(row) if key == "clip_frac" else row.get(key)
-        if value is not None:
-            steps.append(row["step"])
-            values.append(value)
-    return steps, values
+        v = value(row, key)
+        if v is not None and not (isinstance(v, float) and math.isnan(v)):
+            out[int(row["step"])] = float(v)
+    return out
 
 
-def plot(arms: dict[str, list[dict]], path: Path) -> None:
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.6))
-    for ax, (key, title) in zip(axes, PANELS, strict=True):
-        for index, (name, rows) in enumerate(arms.items()):
-            steps, values = series(rows, key)
-            if steps:  # one colour per arm in every panel, whichever panels it has data for
-                ax.plot(steps, values, label=name, color=f"C{index % 10}")
+def _mean_over_steps(rows: list[dict], key: str) -> float:
+    xs = list(curve(rows, key).values())
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+# (key, column title); the per-run scalar each row of summary.md aggregates over seeds
+RUN_METRICS = (
+    ("final_accuracy", "final accuracy"),
+    ("first_step", "first step >= threshold"),
+    ("logprob_gap", "abs log-prob gap"),
+    ("k3", "train/rollout k3 KL"),
+    ("agree_behaviour", "agreement behaviour"),
+    ("agree_update", "agreement update"),
+    ("clip_frac", "clip frac"),
+    ("grad_spikes", "grad-norm spikes"),
+    ("entropy", "final entropy"),
+    ("wall_s", "wall s"),
+    ("time_step", "s / step"),
+    ("routing_bytes", "routing bytes / rank"),
+    ("peak_rss_mb", "peak RSS MiB"),
+)
+
+
+def run_scalars(rows: list[dict], marker: dict, threshold: float, window: int) -> dict:
+    """One run's summary numbers (nan where the run does not report the metric)."""
+    acc = curve(rows, "accuracy")
+    first = stats.first_step_reaching(list(acc), list(acc.values()), threshold)
+    out = {
+        "final_accuracy": stats.tail_mean(list(acc.values()), window),
+        "first_step": math.nan if first is None else float(first),
+        "logprob_gap": _mean_over_steps(rows, "mismatch/train_rollout_logprob_abs_gap"),
+        "k3": _mean_over_steps(rows, "mismatch/train_rollout_k3"),
+        "agree_behaviour": _mean_over_steps(rows, "routing/agreement/behaviour"),
+        "agree_update": _mean_over_steps(rows, "routing/agreement/update"),
+        "clip_frac": _mean_over_steps(rows, "clip_frac"),
+        "grad_spikes": float(stats.spike_count(list(curve(rows, "grad_norm").values()))),
+        "entropy": stats.tail_mean(list(curve(rows, "entropy").values()), window),
+        "wall_s": float(marker.get("wall_s", math.nan)),
+        "time_step": _mean_over_steps(rows, "time/step"),
+        "routing_bytes": _mean_over_steps(rows, "routing/bytes_per_rank"),
+        "peak_rss_mb": float(marker.get("peak_rss_mb", math.nan)),
+    }
+    layers = sorted(
+        {k for row in rows for k in row if k.startswith("routing/agreement/behaviour/layer_")},
+        key=lambda k: int(k.rsplit("_", 1)[1]),
+    )
+    for key in layers:
+        out["layer_" + key.rsplit("_", 1)[1]] = _mean_over_steps(rows, key)
+    return out
+
+
+def read_arm(arm_dir: Path, seeds: Sequence[int]) -> list[tuple[list[dict], dict]]:
+    """``(rows, marker)`` of every finished seed of an arm."""
+    runs = []
+    for seed in seeds:
+        run_dir = arm_dir / f"seed{seed}"
+        if (run_dir / DONE).exists():
+            runs.append((read_rows(run_dir), json.loads((run_dir / DONE).read_text())))
+    return runs
+
+
+# ---------------------------------------------------------------------------------- report
+def fmt(x: float) -> str:
+    if math.isnan(x):
+        return "n/a"
+    if math.isinf(x):
+        return "inf"
+    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
+        return f"{x:.2e}"
+    return f"{x:.4g}" if abs(x) < 1 else f"{x:.1f}" if abs(x) < 1e3 else f"{x:.0f}"
+
+
+def fmt_ci(values: Sequence[float]) -> str:
+    m, h = stats.mean_ci(values)
+    return "n/a" if math.isnan(m) else f"{fmt(m)} ± {fmt(h)}"
+
+
+DIFF_METRICS = (
+    "final_accuracy", "logprob_gap", "k3", "agree_behaviour", "agree_update", "clip_frac",
+    "entropy", "time_step", "routing_bytes", "peak_rss_mb",
+)  # fmt: skip
+
+
+def summary(
+    arms: dict[str, list[dict]],
+    *,
+    threshold: float,
+    window: int,
+    header: Sequence[str] = (),
+    notes: Sequence[str] = (),
+    reference: str | None = None,
+) -> str:
+    """``summary.md``: ``arms`` maps an arm's name to its runs' `run_scalars` (one per seed)."""
+    titles = dict(RUN_METRICS)
+    titles["first_step"] = f"first step >= {threshold}"
+    lines = [*header, ""]
+    lines += [
+        f"Mean ± half-width of the 95% Student-t interval over the K seeds of each arm "
+        f"(inf: K = 1). Final accuracy and entropy: mean of the last {window} steps of a run; "
+        "the log-prob gap, KL, agreements, clip fraction, s/step and routing bytes: mean over "
+        "the run's steps; grad-norm spikes: steps with grad_norm > 3 x the run's median; "
+        f"first step >= {threshold}: over the seeds that reach it (reached: k/K).",
+        "",
+        "| arm | K | " + " | ".join(titles[k] for k, _ in RUN_METRICS) + " |",
+        "|---|---|" + "---|" * len(RUN_METRICS),
+    ]
+    for name, runs in arms.items():
+        if not runs:
+            lines.append(f"| {name} | 0 | (no finished runs) |" + " |" * (len(RUN_METRICS) - 1))
+            continue
+        cells = []
+        for key, _ in RUN_METRICS:
+            column = [run[key] for run in runs]
+            cell = fmt_ci(column)
+            if key == "first_step":
+                cell += f" (reached: {len(stats.finite(column))}/{len(runs)})"
+            cells.append(cell)
+        lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+    layer_keys = sorted(
+        {k for runs in arms.values() for run in runs for k in run if k.startswith("layer_")},
+        key=lambda k: int(k.split("_")[1]),
+    )
+    if layer_keys:
+        lines += [
+            "",
+            "Routing agreement at the behaviour pass (engine routes vs the trainer's, same "
+            "weights) per MoE layer, mean over steps, then over seeds:",
+            "",
+            "| arm | " + " | ".join(layer_keys) + " |",
+            "|---|" + "---|" * len(layer_keys),
+        ]
+        for name, runs in arms.items():
+            if runs and any(k in runs[0] for k in layer_keys):
+                cells = [fmt_ci([run.get(k, math.nan) for run in runs]) for k in layer_keys]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    names = [n for n, runs in arms.items() if runs]
+    reference = reference or (names[0] if names else None)
+    if reference in arms and len(names) > 1:
+        lines += [
+            "",
+            f"Differences from the reference arm `{reference}`: mean difference (arm - "
+            "reference) with its 95% Welch interval. 'within CI': the interval contains 0, so "
+            "these seeds do not tell the arms apart on that metric. One interval per cell, no "
+            "correction for the number of comparisons.",
+            "",
+            "| arm | metric | difference | 95% interval | verdict |",
+            "|---|---|---|---|---|",
+        ]
+        for name in names:
+            if name == reference:
+                continue
+            for key in DIFF_METRICS:
+                a = [run[key] for run in arms[name]]
+                b = [run[key] for run in arms[reference]]
+                d, h = stats.welch_diff_ci(a, b)
+                if math.isnan(d):
+                    continue
+                if math.isinf(h):
+                    verdict = "undefined (K < 2)"
+                elif abs(d) <= h:
+                    verdict = "within CI"
+                else:
+                    verdict = "higher" if d > 0 else "lower"
+                interval = f"[{fmt(d - h)}, {fmt(d + h)}]" if not math.isinf(h) else "(-inf, inf)"
+                lines.append(f"| {name} | {titles[key]} | {fmt(d)} | {interval} | {verdict} |")
+    if notes:
+        lines += ["", "Notes:", "", *[f"- {note}" for note in notes]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
+    """Per panel, every arm's per-step mean over seeds with its 95% band (none for K = 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 4
+    rows_n = -(-len(PANELS) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.4 * cols, 3.4 * rows_n), squeeze=False)
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
+        for index, (name, runs) in enumerate(curves.items()):
+            steps, means, halves = stats.band([curve(rows, key) for rows in runs])
+            if not steps:
+                continue
+            color = f"C{index % 10}"  # one colour per arm in every panel
+            ax.plot(steps, means, label=name, color=color)
+            lows = [m - h if math.isfinite(h) else m for m, h in zip(means, halves, strict=True)]
+            highs = [m + h if math.isfinite(h) else m for m, h in zip(means, halves, strict=True)]
+            ax.fill_between(steps, lows, highs, color=color, alpha=0.18, linewidth=0)
         ax.set(title=title, xlabel="step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    for ax in axes.flat[len(PANELS) :]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def summary(arms: dict[str, list[dict]], walls: dict[str, float], threshold: float) -> str:
-    lines = [
-        f"| arm | final accuracy | first step >= {threshold} | routing bytes / rank | wall s |",
-        "|---|---|---|---|---|",
-    ]
-    for name, rows in arms.items():
-        if not rows:
-            lines.append(f"| {name} | (no metrics) | | | |")
-            continue
-        last = rows[-1]
-        reached = next((r["step"] for r in rows if (r.get("accuracy") or 0) >= threshold), None)
-        wall = walls.get(name, sum(r.get("time/step") or 0 for r in rows))
-        lines.append(
-            f"| {name} | {last.get('accuracy', float('nan')):.3f} | "
-            f"{reached if reached is not None else 'not reached'} | "
-            f"{int(last.get('routing/bytes_per_rank', 0))} | {wall:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Compare RL arms (losses x replay x staleness).")
+# ---------------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None = None):
+    parser = argparse.ArgumentParser(
+        description="Compare RL arms over seeds (losses x replay x staleness x routing dtype).",
+        epilog="flags after -- go to every trainer run unchanged",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/compare"))
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="none")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds per arm: 1..K")
+    parser.add_argument("--first-seed", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--losses", nargs="+", default=["grpo", "gspo", "vespo", "epic"])
-    parser.add_argument("--replay", nargs="+", default=["off"], choices=["off", "r2", "r3"])
+    parser.add_argument("--replay", nargs="+", default=["off"], choices=tuple(REPLAY_FLAGS))
     parser.add_argument("--staleness", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--routing-dtype", nargs="+", default=["auto"], choices=ROUTING_DTYPES)
+    parser.add_argument("--rollout-correction", nargs="+", default=["none"], choices=CORRECTIONS)
+    parser.add_argument("--rollout-dtype", nargs="+", choices=tuple(DTYPE_SHORT))
     parser.add_argument("--train-iters", type=int, default=40)
     parser.add_argument("--rollout-batch-size", type=int, default=16)
     parser.add_argument("--n-samples-per-prompt", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=32)
     parser.add_argument("--threshold", type=float, default=0.9)
-    parser.add_argument("--read", action="store_true", help="only read existing arm directories")
-    args, extra = parser.parse_known_args()
-    extra = [e for e in extra if e != "--"]
+    parser.add_argument("--final-window", type=int, default=5, help="steps of 'final' metrics")
+    parser.add_argument("--reference", help="arm the differences are taken from (default: first)")
+    parser.add_argument("--read", action="store_true", help="only read finished runs")
+    parser.add_argument(
+        "--trainer-command",
+        default=None,
+        help="command a run starts (default: this Python with -m megatron_rl.train)",
+    )
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") and e != "--"]
+    if "--" not in extra and unknown:
+        parser.error(f"unknown flags {unknown}; put trainer flags after --")
+    args.extra = [e for e in extra if e != "--"]
+    if args.seeds < 1:
+        parser.error(f"--seeds {args.seeds}: need at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    owned = ("--seed", "--run-dir", "--model", "--rollout-dtype", "--routing-replay")
+    clash = [e for e in args.extra if e.split("=")[0] in owned]
+    if clash:
+        raise SystemExit(
+            f"trainer flags {clash} after -- are set by compare_runs itself; use --seeds / "
+            "--first-seed, --out, --preset, --rollout-dtype and --replay instead"
+        )
+    arms, skipped = build_grid(args)
+    if not arms:
+        raise SystemExit("the grid is empty: " + "; ".join(skipped))
+    if args.reference and args.reference not in {arm.name for arm in arms}:
+        raise SystemExit(
+            f"--reference {args.reference}: not an arm of this grid; arms: "
+            + ", ".join(arm.name for arm in arms)
+        )
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     args.out.mkdir(parents=True, exist_ok=True)
-    arms, walls = {}, {}
-    for loss, replay, staleness in itertools.product(args.losses, args.replay, args.staleness):
-        name = arm_name(loss, replay, staleness)
-        if not args.read:
-            walls[name] = run_arm(args.out, loss, replay, staleness, args, extra)
-        arms[name] = read_arm(args.out / name)
-    plot(arms, args.out / "curves.png")
-    table = summary(arms, walls, args.threshold)
-    (args.out / "summary.md").write_text(table)
-    print(table)
+    trainer = (
+        shlex.split(args.trainer_command)
+        if args.trainer_command
+        else [sys.executable, "-m", "megatron_rl.train"]
+    )
+    jobs = [
+        Job(
+            arm.name,
+            seed,
+            args.out / arm.name / f"seed{seed}",
+            args.out / "logs" / f"{arm.name}-seed{seed}.log",
+            [*arm_flags(arm, args), "--seed", str(seed), *args.extra],
+        )
+        for arm in arms
+        for seed in seeds
+    ]
+    failed: list[Job] = []
+    if not args.read:
+        env = dict(os.environ)
+        cores = os.cpu_count() or 1
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // min(args.jobs, len(jobs)))))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        failed = run_jobs(
+            jobs,
+            args.jobs,
+            lambda job: [*trainer, *job.flags, "--run-dir", str(job.run_dir), "--no-progress"],
+            env=env,
+        )
+    per_arm, curves = {}, {}
+    for arm in arms:
+        runs = read_arm(args.out / arm.name, seeds)
+        curves[arm.name] = [rows for rows, _ in runs]
+        per_arm[arm.name] = [
+            run_scalars(rows, marker, args.threshold, args.final_window) for rows, marker in runs
+        ]
+    command = "python tools/compare_runs.py " + shlex.join(
+        sys.argv[1:] if argv is None else list(argv)
+    )
+    preset = PRESETS[args.preset]
+    header = [
+        "# Study summary",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Preset `{args.preset}` (model {preset['model'] or 'tiny'}, default rollout dtype "
+        f"{preset['rollout_dtype']}); seeds {seeds[0]}..{seeds[-1]} (K = {len(seeds)}); "
+        f"{args.train_iters} steps; {args.rollout_batch_size} prompts x "
+        f"{args.n_samples_per_prompt} samples per rollout.",
+    ]
+    notes = [f"skipped {note}" for note in skipped]
+    if len(args.routing_dtype) > 1:
+        notes.append(
+            "--routing-dtype is a memory-only axis: the codec stores the same routes in fewer or "
+            "more bytes, so its arms train identically up to run-to-run noise; read only its "
+            "routing bytes and peak RSS."
+        )
+    notes.append(
+        "routing agreement at the behaviour pass is reported by r3 and r3rec arms only; read it "
+        "against a float32-rollout arm of the same preset (identical engine and trainer "
+        "numerics): that arm's value is what the metric reads without any mismatch, and the "
+        "excess over it is the mismatch."
+    )
+    notes.append(
+        "routing bytes / rank: the trainer's routing/bytes_per_rank (R2 recordings, R3 sample "
+        "routes); peak RSS: ru_maxrss of each run's process, so it also holds the model, the "
+        "optimizer and the engine, and differences between arms are the memory story."
+    )
+    if failed:
+        notes.append("failed runs (no marker, rerun on the next invocation): " + ", ".join(
+            f"{job.arm} seed {job.seed}" for job in failed
+        ))  # fmt: skip
+    text = summary(
+        per_arm,
+        threshold=args.threshold,
+        window=args.final_window,
+        header=header,
+        notes=notes,
+        reference=args.reference,
+    )
+    (args.out / "summary.md").write_text(text)
+    plot(curves, args.out / "curves.png")
+    print(text)
+    if failed:
+        print(f"{len(failed)} run(s) failed; logs in {args.out / 'logs'}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

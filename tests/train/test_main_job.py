@@ -33,13 +33,15 @@ def test_embedded_default_reaches_090_accuracy(tmp_path):
 def test_compare_runs_writes_curves_and_summary(tmp_path):
     command = [
         sys.executable, "tools/compare_runs.py", "--out", str(tmp_path),
-        "--losses", "grpo", "vespo", "--replay", "r2", "--staleness", "2",
-        "--train-iters", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-        "--micro-batch-size", "8", "--", "--device", "cpu", "--max-response-length", "3",
+        "--losses", "grpo", "vespo", "--replay", "r2", "--staleness", "2", "--seeds", "2",
+        "--jobs", "2", "--train-iters", "2", "--rollout-batch-size", "4",
+        "--n-samples-per-prompt", "4", "--micro-batch-size", "8",
+        "--", "--device", "cpu", "--max-response-length", "3",
     ]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
-    assert "grpo-r2-N2" in summary and "vespo-r2-N2" in summary
-    assert "(no metrics)" not in summary
+    assert "| grpo-r2-N2 | 2 |" in summary and "| vespo-r2-N2 | 2 |" in summary
+    assert "(no finished runs)" not in summary and "failed runs" not in summary
+    assert (tmp_path / "grpo-r2-N2" / "seed2" / "done.json").exists()
     assert (tmp_path / "curves.png").stat().st_size > 10_000

@@ -1,0 +1,132 @@
+"""tools/compare_runs.py without the trainer: resume of an interrupted study, and summary.md."""
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "tools" / "compare_runs.py")
+compare_runs = importlib.util.module_from_spec(spec)
+sys.modules["compare_runs"] = compare_runs  # dataclasses look their module up
+spec.loader.exec_module(compare_runs)
+
+# A stand-in trainer: logs its call, fails when asked to (an interrupted study), else writes
+# 4 steps of metrics whose accuracy depends on the loss and the seed.
+FAKE_TRAINER = """
+import json, os, sys
+argv = sys.argv[1:]
+flag = lambda name: argv[argv.index(name) + 1]
+loss, seed, run_dir = flag("--loss"), int(flag("--seed")), flag("--run-dir")
+with open(os.environ["CALLS"], "a") as calls:
+    calls.write(f"{loss} {seed}\\n")
+if loss in os.environ.get("FAIL_LOSSES", "").split():
+    sys.exit(3)
+os.makedirs(run_dir, exist_ok=True)
+base = 0.5 if loss == "grpo" else 0.8
+with open(os.path.join(run_dir, "metrics.jsonl"), "w") as out:
+    for step in range(1, 5):
+        row = {"step": step, "accuracy": base + 0.01 * seed + 0.02 * step, "grad_norm": 1.0,
+               "entropy": 2.0, "routing/agreement/behaviour": 0.9,
+               "routing/agreement/behaviour/layer_1": 0.95, "routing/bytes_per_rank": 100.0,
+               "grpo/clip_frac_high": 0.1, "grpo/clip_frac_low": 0.05, "time/step": 0.1}
+        out.write(json.dumps(row) + "\\n")
+"""
+
+
+def _study(tmp_path, *extra):
+    fake = tmp_path / "fake_trainer.py"
+    fake.write_text(FAKE_TRAINER)
+    return [
+        "--out", str(tmp_path / "study"), "--seeds", "2", "--jobs", "2",
+        "--losses", "grpo", "vespo", "--replay", "r3rec", "--staleness", "2",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+        "--trainer-command", f"{sys.executable} {fake}", *extra,
+    ]  # fmt: skip
+
+
+def _calls(path: Path) -> list[str]:
+    return sorted(path.read_text().split("\n")[:-1]) if path.exists() else []
+
+
+def test_an_interrupted_study_reruns_only_unfinished_runs(tmp_path, monkeypatch, capsys):
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("CALLS", str(calls))
+    monkeypatch.setenv("FAIL_LOSSES", "vespo")
+    assert compare_runs.main(_study(tmp_path)) == 1  # vespo's runs fail
+    out = tmp_path / "study"
+    assert (out / "grpo-r3rec-N2" / "seed1" / "done.json").exists()
+    assert not (out / "vespo-r3rec-N2" / "seed1" / "done.json").exists()
+    assert "failed runs" in (out / "summary.md").read_text()
+    # a run killed after writing metrics but before its marker is unfinished, too
+    (out / "grpo-r3rec-N2" / "seed2" / "done.json").unlink()
+    calls.unlink()
+    monkeypatch.delenv("FAIL_LOSSES")
+    assert compare_runs.main(_study(tmp_path)) == 0
+    assert _calls(calls) == ["grpo 2", "vespo 1", "vespo 2"]
+    marker = json.loads((out / "vespo-r3rec-N2" / "seed2" / "done.json").read_text())
+    assert marker["peak_rss_mb"] > 1 and marker["wall_s"] > 0
+    assert "--seed" in marker["flags"]
+    calls.unlink()
+    assert compare_runs.main(_study(tmp_path)) == 0  # everything finished: nothing runs
+    assert _calls(calls) == []
+    summary = (out / "summary.md").read_text()
+    assert "| grpo-r3rec-N2 | 2 |" in summary and "| vespo-r3rec-N2 | 2 |" in summary
+    assert (out / "curves.png").stat().st_size > 10_000
+    # the same folder with other trainer flags is refused, naming the fix
+    with pytest.raises(SystemExit, match="use another --out"):
+        compare_runs.main(_study(tmp_path, "--train-iters", "7"))
+
+
+def test_grid_skips_meaningless_arms_and_names_arms_stably():
+    args = compare_runs.parse_args(
+        ["--losses", "grpo", "--replay", "off", "r3", "--staleness", "1",
+         "--routing-dtype", "auto", "uint8", "--rollout-correction", "none", "icepop",
+         "--preset", "mismatch", "--rollout-dtype", "bfloat16", "float32"]
+    )  # fmt: skip
+    arms, skipped = compare_runs.build_grid(args)
+    names = [arm.name for arm in arms]
+    assert "grpo-off-N1" in names and "grpo-r3-N1-uint8-icepop" in names
+    assert "grpo-r3-N1-fp32" in names  # not the preset's dtype: named
+    assert "grpo-off-N1-uint8" not in names and "grpo-r3-N1-icepop-fp32" not in names
+    assert any("--routing-dtype only matters" in note for note in skipped)
+    with pytest.raises(ValueError, match="--staleness 3 does not divide"):
+        compare_runs.arm_flags(compare_runs.Arm("grpo", "off", 3), args)
+
+
+def _runs(base: float, seeds=(1, 2, 3), spike=False) -> list[dict]:
+    runs = []
+    for seed in seeds:
+        rows = [
+            {"step": s, "accuracy": base + 0.01 * seed * s, "grad_norm": 9.0 if spike and s == 3
+             else 1.0, "entropy": 1.0, "mismatch/train_rollout_logprob_abs_gap": 1e-3,
+             "routing/agreement/behaviour/layer_1": 0.9, "routing/agreement/behaviour": 0.9}
+            for s in range(1, 11)
+        ]  # fmt: skip
+        runs.append(compare_runs.run_scalars(rows, {"wall_s": 10.0, "peak_rss_mb": 500.0}, 0.9, 3))
+    return runs
+
+
+def test_summary_states_which_differences_are_within_the_interval():
+    arms = {"ref": _runs(0.3), "same": _runs(0.3), "better": _runs(0.8, spike=True)}
+    text = compare_runs.summary(arms, threshold=0.9, window=3, header=["# Study"])
+    assert text.startswith("# Study")
+    row = next(line for line in text.splitlines() if line.startswith("| better | 3 |"))
+    # final accuracy over steps 8..10: 0.8 + 0.01 * seed * 9 -> mean over seeds 0.98
+    assert "0.98 ±" in row
+    assert "(reached: 3/3)" in row and "(reached: 0/3)" in text
+    assert [run["grad_spikes"] for run in arms["better"]] == [1, 1, 1]  # 9 > 3 x median 1
+    assert [run["grad_spikes"] for run in arms["ref"]] == [0, 0, 0]
+    assert "| same | final accuracy | 0 | [" in text and "within CI" in text
+    assert "| better | final accuracy |" in text and "| higher |" in text
+    assert "layer_1" in text
+
+
+def test_summary_with_one_seed_has_infinite_intervals():
+    text = compare_runs.summary({"a": _runs(0.3, seeds=(1,)), "b": _runs(0.5, seeds=(1,))},
+                                threshold=0.9, window=3)  # fmt: skip
+    assert "± inf" in text and "undefined (K < 2)" in text
+    assert math.isinf(compare_runs.stats.mean_ci([1.0])[1])
