@@ -203,7 +203,7 @@ def run_jobs(
     max_parallel: int,
     command: Callable[[Job], list[str]],
     env: dict[str, str] | None = None,
-    echo: Callable[[str], None] = print,
+    echo: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> list[Job]:
     """Run the unfinished jobs, up to ``max_parallel`` at once; return the failed ones.
 
