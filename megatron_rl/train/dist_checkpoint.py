@@ -30,8 +30,24 @@ What was measured on megatron-core 0.16.1 (CPU, gloo, tiny Qwen3-MoE, world size
   and the gather); loading at EP2 a similar time. The per-rank ``torch`` format takes well
   under a second, and stays the default for that reason on small runs.
 
-Async save: megatron offers ``dist_checkpointing.save(..., async_sharded_save=True)`` with an
-``AsyncCallsQueue``; it is not offered here yet (see `megatron_rl.train.checkpoint`).
+Async save (``--async-save``, `save_sharded` with ``background=True``): megatron's
+``dist_checkpointing.save(..., async_sharded_save=True)`` does everything collective at once (the
+sharding validation, the optimizer gather, the save plan, ``common.pt``) and returns an
+``AsyncRequest`` holding only the file writes; `BackgroundWrite` schedules it on an
+``AsyncCallsQueue`` and later runs megatron's finalization (``.metadata``, ``metadata.json``) once
+every rank's writer has finished. What the source of megatron-core 0.16.1 shows about the data
+being written while training goes on:
+
+* The queue is used non-persistent: ``TemporalAsyncCaller`` forks the training process for each
+  save, so the writer reads a copy-on-write snapshot taken at the fork, inside `save_sharded`;
+  the next optimizer step's in-place updates are not seen (memory grows by the pages it rewrites
+  while the write runs). The persistent caller is not used: it is a spawned worker fed through a
+  torch multiprocessing queue, which moves CPU tensors into shared memory, so the worker would
+  read the live parameters.
+* On GPU the request's ``preload_fn`` copies every tensor to host memory (and synchronizes)
+  before the fork. On CPU that copy is a no-op; ``FileSystemWriterAsync`` clones only CPU tensors
+  that are views of a larger storage, at planning time. Both happen before `save_sharded`
+  returns, so either way the snapshot describes the step being saved.
 
 RNG states are not resharded: each rank writes its own ``rng_rank*.pt``; a resume at the same
 layout restores them all, one at another layout restores torch/python/numpy states from the rank
@@ -171,11 +187,16 @@ def _sharded_state(model, optimizer, is_loading: bool) -> tuple[dict, dict, list
     return model_state, inner_states, flat
 
 
-def save_sharded(folder: str, model, optimizer) -> None:
+def save_sharded(folder: str, model, optimizer, background: bool = False):
     """Collective: write the model's and optimizer's sharded state into ``folder`` (which exists).
 
     Non-tensor optimizer state is merged over the inner optimizers (their parameter groups keyed
     by megatron's group identifiers) and written once with megatron's common state.
+
+    Returns:
+        None once the files are written; with ``background=True`` a `BackgroundWrite` whose
+        writer process is running (the state it writes is already snapshotted, see the module
+        docstring): ``folder`` is complete only after its ``finished(wait=True)``.
     """
     dist_checkpointing = _megatron_dist_checkpointing()
     _, inner_states, flat = _sharded_state(model, optimizer, is_loading=False)
@@ -184,9 +205,39 @@ def save_sharded(folder: str, model, optimizer) -> None:
         part = _non_tensor_state(state)
         common["param_groups"].update(part.pop("param_groups"))
         common.update(part)
-    dist_checkpointing.save(
-        {"tensors": flat, _COMMON_KEY: common}, folder, sharded_strategy=("torch_dist", 1)
+    request = dist_checkpointing.save(
+        {"tensors": flat, _COMMON_KEY: common},
+        folder,
+        sharded_strategy=("torch_dist", 1),
+        async_sharded_save=background,
     )
+    return BackgroundWrite(request) if background else None
+
+
+class BackgroundWrite:
+    """megatron's asynchronous write of one `save_sharded` call, in a forked process per rank."""
+
+    def __init__(self, request) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        # non-persistent: a fork per save, whose memory is the snapshot (see the module docstring)
+        self._queue = AsyncCallsQueue(persistent=False)
+        self._queue.schedule_async_request(request)
+
+    def finished(self, wait: bool) -> bool:
+        """Collective: whether every rank's writer has finished (``wait``: block until then).
+
+        When they have, megatron's finalization runs (``.metadata`` and ``metadata.json`` are
+        written); a write that failed on any rank raises on every rank.
+        """
+        if self._queue.get_num_unfinalized_calls():
+            self._queue.maybe_finalize_async_calls(blocking=wait)
+        return self._queue.get_num_unfinalized_calls() == 0
+
+    def abandon(self) -> None:
+        """Local (no collective): wait for this rank's writer process; finalize nothing."""
+        while self._queue.async_calls:
+            self._queue.async_calls.popleft().async_caller.close()
 
 
 def load_sharded(folder: str, model, optimizer) -> None:

@@ -21,6 +21,7 @@ from megatron_rl.train.checkpoint import (
     latest_step,
     load_training_state,
     save_training_state,
+    start_async_save,
 )
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.preemption import PreemptionHandler
@@ -71,7 +72,7 @@ def run(config: TrainConfig, **dist_kwargs) -> dict:
         preemption = stack.enter_context(PreemptionHandler())
         trainer = Trainer(config, **dist_kwargs)
         stack.callback(trainer.close)
-        saver = _Saver(trainer, config)
+        saver = stack.enter_context(_Saver(trainer, config))  # commits before trainer.close
         if load is not None:
             root, step = load
             state = load_training_state(
@@ -106,6 +107,7 @@ def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> 
                 saver.save_and_stop("stop signal")
                 return last
             last = metrics
+            saver.poll()
             run_logger.log(trainer.step_index, last)
             if trainer.nonfinite.exhausted:
                 saver.save_and_stop("non-finite updates")
@@ -117,6 +119,7 @@ def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> 
                 saver.save_and_stop("stop signal")
                 return last
         saver.save()
+        saver.wait()
     if is_main:
         metrics_path = os.path.join(config.run_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):
@@ -125,25 +128,59 @@ def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> 
 
 
 class _Saver:
-    """Saves the trainer's state at most once per step (never a second copy of a step)."""
+    """Saves the trainer's state at most once per step (never a second copy of a step).
+
+    With ``--async-save`` the files are written in the background: `poll` commits a finished
+    write after each step, a new save or `wait` commits the one in flight first, and leaving the
+    context commits it (or, on an exception, waits for this rank's writer and commits nothing:
+    the other ranks may not be able to join a collective).
+    """
 
     def __init__(self, trainer: Trainer, config: TrainConfig) -> None:
         self.trainer = trainer
         self.config = config
         self.saved_step: int | None = None
+        self.pending = None  # the background save in flight (checkpoint.PendingSave)
+
+    def __enter__(self) -> _Saver:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if self.pending is None:
+            return
+        if exc_type is None:
+            self.wait()
+        else:
+            self.pending.abandon()
+            self.pending = None
 
     def save(self) -> None:
         if not self.config.save or self.saved_step == self.trainer.step_index:
             return
-        save_training_state(
-            self.config.save,
-            self.trainer.step_index,
+        self.wait()
+        kwargs = dict(
             model=self.trainer.model,
             optimizer=self.trainer.optimizer,
-            rl_state=self.trainer.state_dict(),
-            fmt=self.config.ckpt_format,
+            rl_state=self.trainer.state_dict(),  # snapshotted now, with the tensors
         )
+        if self.config.async_save:
+            self.pending = start_async_save(self.config.save, self.trainer.step_index, **kwargs)
+        else:
+            save_training_state(
+                self.config.save, self.trainer.step_index, fmt=self.config.ckpt_format, **kwargs
+            )
         self.saved_step = self.trainer.step_index
+
+    def poll(self) -> None:
+        """Collective: commit the background save if every rank's write has finished."""
+        if self.pending is not None and self.pending.try_finalize() is not None:
+            self.pending = None
+
+    def wait(self) -> None:
+        """Collective: wait for the background save in flight, if any, and commit it."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.finalize()
 
     def save_and_stop(self, why: str) -> None:
         step = self.trainer.step_index
@@ -152,3 +189,4 @@ class _Saver:
         else:
             logger.warning("%s: exiting at step %d (no --save: nothing is saved)", why, step)
         self.save()
+        self.wait()
