@@ -6,6 +6,12 @@
         --micro-batch-tokens 18432 --routing-replay r2 --routing-responses 512 \
         --routing-response-tokens 18432 --reference gpu --gpu-gib 80 [--json]
 
+    # the Qwen3-235B-A22B launcher's training half: TP4+SP, PP4 (stages 23/24/24/23, the
+    # trainer's flags), EP8, DP2, all of the Adam state in host memory
+    python tools/memory_plan.py --model qwen3-235b-a22b --tp 4 --pp 4 --ep 8 --world-size 32 \
+        --decoder-first-pipeline-num-layers 23 --decoder-last-pipeline-num-layers 23 \
+        --optimizer-offload-fraction 1 --micro-batch-tokens 18432 --reference gpu
+
 Parameters, gradient buffers, optimizer state, routing state and the reference model are counted
 exactly; activations, logits, the log-prob chunk and the reserve are estimates (see
 `megatron_rl.model.memory`). With pipeline parallelism the fullest stage decides the verdict.
@@ -32,6 +38,7 @@ from megatron_rl.model.memory import (
     MemoryPlan,
     PlanOptions,
     load_model_config,
+    megatron_stage_layers,
     plan_memory,
 )
 from megatron_rl.parallel import ParallelConfig
@@ -72,9 +79,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_stage_layers,
         help="layers per pipeline stage, e.g. 23,24,24,23 (default: an even split)",
     )
+    for stage in ("first", "last"):
+        parser.add_argument(
+            f"--decoder-{stage}-pipeline-num-layers",
+            type=int,
+            help=f"layers of the {stage} pipeline stage, as the trainer's (megatron's) flag; the "
+            "stages in between share the rest evenly",
+        )
     parser.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), default="bf16")
     parser.add_argument(
         "--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument(
+        "--optimizer-offload-fraction",
+        type=float,
+        default=0.0,
+        help="share of each rank's optimizer state in host memory (the trainer's "
+        "--optimizer-cpu-offload --optimizer-offload-fraction F); 0: none",
     )
     parser.add_argument("--recompute", choices=RECOMPUTE, default="full")
     parser.add_argument(
@@ -98,6 +119,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_plan(args: argparse.Namespace) -> MemoryPlan:
+    config = load_model_config(args.model)
+    pipeline_layers = args.pipeline_layers
+    uneven = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    if uneven != (None, None):
+        if pipeline_layers is not None:
+            raise ValueError(
+                "give --pipeline-layers or --decoder-first/last-pipeline-num-layers, not both"
+            )
+        pipeline_layers = megatron_stage_layers(config.num_hidden_layers, args.pp, *uneven)
     parallel = ParallelConfig(
         tensor_parallel=args.tp,
         pipeline_parallel=args.pp,
@@ -107,10 +137,10 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         sequence_parallel=args.sp,
     )
     if args.world_size is not None:
-        layout = Layout.from_world_size(parallel, args.world_size, args.pipeline_layers)
+        layout = Layout.from_world_size(parallel, args.world_size, pipeline_layers)
     else:
         layout = Layout(
-            parallel=parallel, data_parallel=args.dp or 1, pipeline_layers=args.pipeline_layers
+            parallel=parallel, data_parallel=args.dp or 1, pipeline_layers=pipeline_layers
         )
     options = PlanOptions(
         params_dtype=DTYPE_ALIASES[args.dtype],
@@ -126,8 +156,9 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         reference=args.reference,
         moe_imbalance=args.moe_imbalance,
         reserve_gib=args.reserve_gib,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
     )
-    return plan_memory(load_model_config(args.model), layout, options, gpu_gib=args.gpu_gib)
+    return plan_memory(config, layout, options, gpu_gib=args.gpu_gib)
 
 
 def render(plan: MemoryPlan, model: str, console: Console) -> None:
@@ -170,6 +201,9 @@ def render(plan: MemoryPlan, model: str, console: Console) -> None:
     total = plan.total_bytes / GIB
     table.add_row("[bold]total[/bold]", f"[bold]{total:.2f}[/bold]", "", "")
     console.print(table)
+    host = sum(term.nbytes for term in peak.terms if not term.on_gpu) / GIB
+    if host:
+        console.print(f"host memory per GPU of this stage (not counted above): {host:.2f} GiB")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     console.print(
         f"[bold]{verdict}[/bold] in {plan.gpu_gib:g} GiB: {total:.2f} GiB needed, "

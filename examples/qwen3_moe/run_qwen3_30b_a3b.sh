@@ -22,6 +22,7 @@
 # RUN_DIR/checkpoints (the first run starts fresh: --load is the --save folder).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
+source "${HERE}/common.sh"
 source "${HERE}/model_qwen3_30b_a3b.sh"
 
 PROMPTS=${PROMPTS:?set PROMPTS to a JSONL/Parquet prompt file (DAPO-Math-17k layout works)}
@@ -37,86 +38,7 @@ TRAIN_NODES=2
 GPUS_PER_NODE=8
 ROLLOUT_PROMPTS=64
 SAMPLES_PER_PROMPT=8
-NODES=$(( TRAIN_NODES + ${#ROLLOUT_HOSTS[@]} ))
-LAUNCH_ID=${LAUNCH_ID:-${SLURM_JOB_ID:-}}
-NODE_WAIT_S=${NODE_WAIT_S:-300}
-HEARTBEAT="${RUN_DIR}/job.alive"
-HEARTBEAT_INTERVAL=${HEARTBEAT_INTERVAL:-15}
-HEARTBEAT_TIMEOUT=${HEARTBEAT_TIMEOUT:-300}
-
-dry_run() { [[ "${DRY_RUN:-0}" == 1 ]]; }
-
-# The host of node $1 as this launch knows it (NODE_HOSTS: all of them, set by the SLURM entry).
-node_host() {
-  local hosts=(${NODE_HOSTS:-})
-  if (( $1 < ${#hosts[@]} )); then echo "${hosts[$1]}"
-  elif (( $1 == 0 )); then echo "${MASTER_ADDR}"
-  elif (( $1 >= TRAIN_NODES )); then echo "${ROLLOUT_HOSTS[$1 - TRAIN_NODES]}"
-  else echo "host unknown"; fi
-}
-
-# This node's marker in the run folder: "launch=<LAUNCH_ID> host=<hostname>".
-announce_node() {
-  local marker="${RUN_DIR}/.nodes/node${NODE_RANK}"
-  if dry_run; then
-    echo "# would write ${marker}: launch=${LAUNCH_ID} host=${HOSTNAME}"
-    return
-  fi
-  mkdir -p "${RUN_DIR}/.nodes"
-  echo "launch=${LAUNCH_ID} host=${HOSTNAME}" > "${marker}.tmp.$$"
-  mv -f "${marker}.tmp.$$" "${marker}"
-}
-
-# Node 0: wait (bounded) until every node's marker of this launch is visible here.
-wait_for_nodes() {
-  local checks="RUN_DIR/.nodes/node0 .. node$(( NODES - 1 )) of launch '${LAUNCH_ID}'"
-  if dry_run; then
-    echo "# would wait up to ${NODE_WAIT_S} s for ${checks} (RUN_DIR=${RUN_DIR} on a filesystem every node sees)"
-    return
-  fi
-  if [[ -z "${LAUNCH_ID}" ]]; then
-    echo "note: LAUNCH_ID is unset, so markers left in ${RUN_DIR}/.nodes by an earlier launch count too; set the same LAUNCH_ID on every node for a strict check" >&2
-  fi
-  local deadline=$(( SECONDS + NODE_WAIT_S )) missing marker line n
-  while :; do
-    missing=()
-    for (( n = 0; n < NODES; n++ )); do
-      marker="${RUN_DIR}/.nodes/node${n}"
-      line=$(head -n 1 "${marker}" 2>/dev/null || true)
-      if [[ "${line}" != "launch=${LAUNCH_ID} host="* ]]; then
-        missing+=("node ${n} ($(node_host "${n}"))")
-      fi
-    done
-    (( ${#missing[@]} == 0 )) && return 0
-    if (( SECONDS >= deadline )); then
-      local IFS=,
-      echo "error: after ${NODE_WAIT_S} s node 0 (${HOSTNAME}) still does not see the markers of ${missing[*]} in $(cd "${RUN_DIR}" && pwd)/.nodes: RUN_DIR must be on a filesystem every node sees (and every node must run this launch, LAUNCH_ID='${LAUNCH_ID}')" >&2
-      return 1
-    fi
-    sleep 2
-  done
-}
-
-# Node 0: rewrite the heartbeat while this script lives (the loop ends with it, even on SIGKILL).
-start_heartbeat() {
-  if dry_run; then
-    echo "# would rewrite ${HEARTBEAT} every ${HEARTBEAT_INTERVAL} s while training runs, and remove it when it ends"
-    return
-  fi
-  local script_pid=$$ beat=1
-  write_beat() {
-    echo "host=${HOSTNAME} beat=$1 time=$(date +%s)" > "${HEARTBEAT}.tmp"
-    mv -f "${HEARTBEAT}.tmp" "${HEARTBEAT}"
-  }
-  write_beat "${beat}"  # the first beat before anything else starts
-  (
-    while sleep "${HEARTBEAT_INTERVAL}" && kill -0 "${script_pid}" 2>/dev/null; do
-      beat=$(( beat + 1 ))
-      write_beat "${beat}"
-    done
-  ) &
-  HEARTBEAT_PID=$!
-}
+init_launch
 
 ROLLOUT_ARGS=(
   --rollout-engine sglang
@@ -183,34 +105,13 @@ OUTPUT_ARGS=(
   --wandb-exp-name "qwen3-30b-a3b-${LOSS}-${REPLAY}-N${STALENESS}"
 )
 
-if (( NODE_RANK < 0 || NODE_RANK >= NODES )); then
-  echo "error: NODE_RANK=${NODE_RANK}: must be 0..$(( NODES - 1 ))" >&2
-  exit 1
-fi
-announce_node
-
-if (( NODE_RANK >= TRAIN_NODES )); then
-  # a serving node: one SGLang server on all 8 GPUs; SIGTERM to this script stops it, and so does
-  # the end of the training job (its heartbeat removed, or unchanged for HEARTBEAT_TIMEOUT s)
-  SERVE_ARGS=(
-    --model-path "${HF_CKPT}" --host 0.0.0.0 --base-port "${SGLANG_PORT}"
-    --num-servers 1 --tp-size 8 --ep-size 8 --mem-fraction-static 0.7
-    --log-dir "${RUN_DIR}"
-    --heartbeat-file "${HEARTBEAT}" --heartbeat-timeout "${HEARTBEAT_TIMEOUT}"
-  )
-  if [[ "${REPLAY}" == r3 ]]; then SERVE_ARGS+=(--routed-experts); fi
-  if dry_run; then SERVE_ARGS+=(--dry-run); fi
-  exec python -m megatron_rl.rollout.serve "${SERVE_ARGS[@]}"
-fi
-
-# A training node. megatron-core's tensor/sequence-parallel layers issue their all-gather and
-# reduce-scatter before the weight-gradient GEMM they overlap with, and rely on the GPU running
-# kernels in issue order (one hardware queue) for that overlap (see its tensor_parallel/layers.py
-# and distributed/param_and_grad_buffer.py). No NCCL variables are set: torch's defaults already
-# abort a rank on an NCCL error or timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING), and the network
-# choices (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) belong to the cluster's environment.
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-if dry_run; then echo "export CUDA_DEVICE_MAX_CONNECTIONS=1"; fi
+# a serving node: one SGLang server on all 8 GPUs
+SERVE_ARGS=(
+  --model-path "${HF_CKPT}" --host 0.0.0.0 --base-port "${SGLANG_PORT}"
+  --num-servers 1 --tp-size 8 --ep-size 8 --mem-fraction-static 0.7
+  --log-dir "${RUN_DIR}"
+)
+if [[ "${REPLAY}" == r3 ]]; then SERVE_ARGS+=(--routed-experts); fi
 
 TRAIN_CMD=(
   torchrun
@@ -221,36 +122,4 @@ TRAIN_CMD=(
   "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}"
 )
 
-if dry_run; then
-  if (( NODE_RANK == 0 )); then start_heartbeat; wait_for_nodes; fi
-  echo "${TRAIN_CMD[*]}"
-  exit 0
-fi
-
-# torchrun in the background under traps: SIGTERM/SIGINT (or any exit of this script) stops it,
-# which stops its ranks; node 0 then removes the heartbeat so the serving nodes stop at once.
-TORCHRUN_PID=
-HEARTBEAT_PID=
-stop_training() {
-  trap - EXIT TERM INT
-  if [[ -n "${TORCHRUN_PID}" ]] && kill -0 "${TORCHRUN_PID}" 2>/dev/null; then
-    kill -TERM "${TORCHRUN_PID}" 2>/dev/null || true
-    wait "${TORCHRUN_PID}" 2>/dev/null || true
-  fi
-  if [[ -n "${HEARTBEAT_PID}" ]]; then
-    kill "${HEARTBEAT_PID}" 2>/dev/null || true
-    wait "${HEARTBEAT_PID}" 2>/dev/null || true
-    rm -f "${HEARTBEAT}"
-  fi
-}
-trap 'stop_training' EXIT
-trap 'echo "signal: stopping torchrun" >&2; stop_training; exit 143' TERM INT
-if (( NODE_RANK == 0 )); then
-  start_heartbeat
-  wait_for_nodes
-fi
-"${TRAIN_CMD[@]}" &
-TORCHRUN_PID=$!
-status=0
-wait "${TORCHRUN_PID}" || status=$?
-exit "${status}"
+launch_node  # common.sh: check NODE_RANK, announce this node, then serve or train

@@ -17,7 +17,11 @@ Exact (counted from the architecture and megatron-core's parameter layout):
   data-parallel x context-parallel group for the dense buffer and the expert-data-parallel group
   ``world / (ETP * EP * PP)`` for the expert one (megatron puts expert params in the dense buffer
   when EP == 1, so then they shard like dense ones); a rank keeps state for the parameter
-  elements inside its shard, and the plan reports the fullest rank;
+  elements inside its shard, and the plan reports the fullest rank. With optimizer CPU offload
+  (megatron's ``HybridDeviceOptimizer``, ``optimizer_offload_fraction`` f) the first f of the
+  rank's shard elements keep their master copy, m and v in host memory (plus a pinned fp32
+  gradient copy there); the rest stay on the GPU. megatron moves whole shard tensors, so the split
+  is exact up to one tensor;
 * routing-replay state (`megatron_rl.routing.memory`): R2 recordings live on the GPU, R3 routes
   travel with the samples on the host; plus the int64 targets of the live micro-batch;
 * reference model (KL): its parameters, in the policy's param dtype, when kept on the GPU.
@@ -156,6 +160,42 @@ class ModelShape:
 
 
 # ---------------------------------------------------------------------------- layout
+def megatron_stage_layers(
+    num_layers: int, pipeline_parallel: int, first: int | None = None, last: int | None = None
+) -> tuple[int, ...]:
+    """Layers per pipeline stage as megatron-core splits them from
+    ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers`` (``first`` /
+    ``last``; None: that stage is like the others): the stages in between share the remaining
+    layers evenly. ValueError where megatron would refuse the split."""
+    pp = pipeline_parallel
+    if pp < 1:
+        raise ValueError(f"pipeline parallel size {pp}: must be >= 1")
+    if pp == 1:
+        if first is not None or last is not None:
+            raise ValueError("first / last stage layers need pipeline parallel size > 1")
+        return (num_layers,)
+    for name, value in (("first", first), ("last", last)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} stage layers={value}: must be >= 1")
+    rest = num_layers - (first or 0) - (last or 0)
+    middle = pp - (first is not None) - (last is not None)
+    if middle == 0:
+        if rest:
+            raise ValueError(
+                f"first {first} + last {last} layers != num_hidden_layers={num_layers} at "
+                f"pipeline parallel size {pp}"
+            )
+        return (first, last)
+    if rest < middle or rest % middle:
+        raise ValueError(
+            f"the {rest} layers left after the first/last stages do not split evenly over the "
+            f"{middle} other pipeline stages (num_hidden_layers={num_layers}, first={first}, "
+            f"last={last})"
+        )
+    each = rest // middle
+    return (first or each, *(each,) * (pp - 2), last or each)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Layout:
     """Parallel sizes (`ParallelConfig`), the data-parallel size and the pipeline layer split."""
@@ -488,6 +528,9 @@ class PlanOptions:
     reference: str = "off"  # KL reference model: off | gpu | cpu (offloaded)
     moe_imbalance: float = 1.0  # expert tokens on the fullest GPU / the balanced share
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    # megatron's --optimizer-cpu-offload: this share of each rank's optimizer shard lives (and is
+    # updated) in host memory; 0: no offload (needs the distributed optimizer when > 0)
+    optimizer_offload_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         choices = {
@@ -506,6 +549,15 @@ class PlanOptions:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
         if self.moe_imbalance < 1.0 or self.reserve_gib < 0:
             raise ValueError("moe_imbalance must be >= 1 and reserve_gib >= 0")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(
+                f"optimizer_offload_fraction={self.optimizer_offload_fraction}: must be in [0, 1]"
+            )
+        if self.optimizer_offload_fraction and not self.distributed_optimizer:
+            raise ValueError(
+                "optimizer_offload_fraction > 0 needs distributed_optimizer (megatron offloads "
+                "through its distributed, precision-aware optimizer)"
+            )
         if self.routing_replay != "off":
             by_batch = (self.routing_responses, self.routing_response_tokens)
             if (self.routing_tokens is None) == (None in by_batch):
@@ -672,10 +724,30 @@ def _stage_terms(
         expert_note += str(expert_group)
     else:
         dense_note = expert_note = f"{what}, not sharded"
+    offload = options.optimizer_offload_fraction
+    if offload:  # the first `offload` of the shard's elements: their state lives on the host
+        per_param = 8 + (4 if a < 4 else 0)
+        host_elements = round((dense_opt + expert_opt) // per_param * offload)
+        kept = 1.0 - offload
+        dense_opt, expert_opt = round(dense_opt * kept), round(expert_opt * kept)
+        dense_note += f"; {kept:.0%} of it on the GPU"
+        expert_note += f"; {kept:.0%} of it on the GPU"
+    exact = not 0.0 < offload < 1.0  # a partial split moves whole tensors: exact up to one
     terms += [
-        Term("optimizer: dense", dense_opt, True, note=dense_note),
-        Term("optimizer: experts", expert_opt, True, note=expert_note),
+        Term("optimizer: dense", dense_opt, exact, note=dense_note),
+        Term("optimizer: experts", expert_opt, exact, note=expert_note),
     ]
+    if offload:
+        # host, per element: fp32 master (or the fp32 param's copy), m, v and a pinned fp32 grad
+        terms.append(
+            Term(
+                "optimizer: offloaded to host",
+                16 * host_elements,
+                exact,
+                on_gpu=False,
+                note=f"{host_elements:,} shard elements x 16 B (fp32 master, m, v, grad copy)",
+            )
+        )
 
     # activations (estimate)
     s, t = _token_counts(layout, options.micro_batch_tokens)

@@ -1,8 +1,10 @@
-"""The 32-GPU Qwen3-30B-A3B launcher and its SLURM entry: valid bash, and the commands they would
-run (DRY_RUN=1) are accepted by the trainer's and the server launcher's own argument checks. The
-run script's own failure handling (shared-filesystem check, heartbeat, torchrun under traps) runs
-for real with a fake torchrun. Nothing here runs on a GPU: this proves the launcher's wiring, not
-a cluster run."""
+"""The Qwen3-MoE launchers (32-GPU Qwen3-30B-A3B, 64-GPU Qwen3-235B-A22B) and their SLURM
+entries: valid bash, and the commands they would run (DRY_RUN=1) are accepted by the trainer's and
+the server launcher's own argument checks (for 235B also megatron's `TransformerConfig` checks of
+the pipeline split, and the memory plan of the layout the command asks for). The run scripts'
+shared failure handling (common.sh: shared-filesystem check, heartbeat, torchrun under traps)
+runs for real with a fake torchrun. Nothing here runs on a GPU: this proves the launchers' wiring,
+not a cluster run."""
 
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ import pytest
 from megatron_rl.train.config import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "examples" / "qwen3_moe" / "run_qwen3_30b_a3b.sh"
-SBATCH = ROOT / "examples" / "qwen3_moe" / "slurm_qwen3_30b_a3b.sbatch"
+EXAMPLES = ROOT / "examples" / "qwen3_moe"
+SCRIPT = EXAMPLES / "run_qwen3_30b_a3b.sh"
+SBATCH = EXAMPLES / "slurm_qwen3_30b_a3b.sbatch"
+SCRIPT_235B = EXAMPLES / "run_qwen3_235b_a22b.sh"
+SBATCH_235B = EXAMPLES / "slurm_qwen3_235b_a22b.sbatch"
+ROLLOUT_HOSTS_235B = "node4 node5 node6 node7"
 LAUNCH_VARIABLES = ("NODE_RANK", "MASTER_ADDR", "ROLLOUT_HOSTS", "NODE_HOSTS", "LAUNCH_ID")
 
 
@@ -47,16 +53,17 @@ def _trainer_config(argv: list[str]):
     return parse_args(argv[argv.index("megatron_rl.train") + 1 :])
 
 
-def _dry_run(node_rank: int, **env) -> str:
+def _dry_run(node_rank: int, script: Path = SCRIPT, **env) -> str:
+    hosts = ROLLOUT_HOSTS_235B if script == SCRIPT_235B else "node2 node3"
     environment = _base_env(
         MASTER_ADDR="node0",
-        ROLLOUT_HOSTS="node2 node3",
+        ROLLOUT_HOSTS=hosts,
         NODE_RANK=str(node_rank),
         DRY_RUN="1",
         **env,
     )
     result = subprocess.run(
-        ["bash", str(SCRIPT)],
+        ["bash", str(script)],
         cwd=ROOT,
         env=environment,
         capture_output=True,
@@ -67,7 +74,7 @@ def _dry_run(node_rank: int, **env) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("script", [SCRIPT, SBATCH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", sorted(EXAMPLES.iterdir()), ids=lambda p: p.name)
 def test_launcher_is_valid_bash(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
@@ -147,7 +154,9 @@ def _fake_bin(tmp_path: Path, name: str, body: str) -> Path:
     return folder
 
 
-def _slurm_dry_run(tmp_path: Path, hosts: list[str], **env) -> subprocess.CompletedProcess:
+def _slurm_dry_run(
+    tmp_path: Path, hosts: list[str], sbatch: Path = SBATCH, **env
+) -> subprocess.CompletedProcess:
     """The sbatch file's batch step with fake SLURM variables and a fake `scontrol`."""
     listing = "\\n".join(hosts)
     scontrol = f'[[ "$1 $2" == "show hostnames" ]] || exit 2\nprintf "{listing}\\n"\n'
@@ -161,13 +170,13 @@ def _slurm_dry_run(tmp_path: Path, hosts: list[str], **env) -> subprocess.Comple
     )
     environment["PATH"] = f"{fake}:{environment['PATH']}"
     return subprocess.run(
-        ["bash", str(SBATCH)], cwd=ROOT, env=environment, capture_output=True, text=True,
+        ["bash", str(sbatch)], cwd=ROOT, env=environment, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
 
 
 def _per_node(out: str) -> tuple[str, dict[int, str]]:
-    parts = re.split(r"^## node (\d) \(\S+\)$", out, flags=re.M)
+    parts = re.split(r"^## node (\d+) \(\S+\)$", out, flags=re.M)
     return parts[0], {int(n): text for n, text in zip(parts[1::2], parts[2::2], strict=True)}
 
 
@@ -306,3 +315,207 @@ def test_the_heartbeat_beats_while_node0_lives_and_stops_with_it(tmp_path):
         os.kill(torchrun, signal.SIGTERM)  # the fake torchrun, orphaned by SIGKILL
         process.stdout.close()
         process.stderr.close()
+
+
+# ----------------------------------------------------------------------------- Qwen3-235B-A22B
+ARMS_235B = [("vespo", "off", 8), ("epic", "r3", 4), ("grpo", "r2", 8), ("gspo", "r2", 2)]
+
+
+def _env_235b(**env) -> dict:
+    return {"HF_CKPT": "/shared/Qwen3-235B-A22B", **env}
+
+
+def _megatron_config(config, monkeypatch):
+    """megatron-core's `TransformerConfig` of the 235B preset under ``config``'s parallel sizes:
+    its own checks of heads / TP, the uneven pipeline split, experts / EP."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.model.config import to_transformer_config
+    from megatron_rl.model.presets import preset_config
+
+    sizes = {
+        "tensor_model_parallel": config.tensor_model_parallel_size,
+        "pipeline_model_parallel": config.pipeline_model_parallel_size,
+        "context_parallel": config.context_parallel_size,
+        "expert_model_parallel": config.expert_model_parallel_size,
+        "expert_tensor_parallel": 1,
+    }
+    for name, size in sizes.items():
+        monkeypatch.setattr(parallel_state, f"get_{name}_world_size", lambda size=size: size)
+    return to_transformer_config(
+        preset_config("qwen3-235b-a22b"), config.model_options(), use_te=False
+    )
+
+
+@pytest.mark.parametrize(("loss", "replay", "staleness"), ARMS_235B)
+def test_235b_every_training_node_passes_the_trainer_and_megatron_checks(
+    loss, replay, staleness, monkeypatch
+):
+    for rank in range(4):
+        env = _env_235b(LOSS=loss, REPLAY=replay, STALENESS=str(staleness))
+        out = _dry_run(rank, SCRIPT_235B, **env)
+        assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in out.splitlines()
+        assert ("# would wait up to 300 s" in out) == (rank == 0)
+        argv = _train_argv(out)
+        assert argv[argv.index("--nnodes") + 1] == "4"
+        assert argv[argv.index("--node-rank") + 1] == str(rank)
+        config = _trainer_config(argv)
+        assert config.loss == loss and config.routing_replay == replay
+        assert config.updates_per_rollout == staleness
+        assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (4, 4)
+        assert config.expert_model_parallel_size == 8 and config.sequence_parallel
+        assert config.context_parallel_size == 1
+        assert config.data_parallel_size(32) == 2  # 4 nodes x 8 GPUs / (TP 4 x PP 4)
+        assert len(config.sglang_url) == 4 and config.sglang_engine_ranks == 8
+        assert config.use_distributed_optimizer and config.optimizer_cpu_offload
+        assert config.optimizer_offload_fraction == 1.0
+        assert config.optimizer_config().cpu_offload
+        assert config.ckpt_format == "torch_dist" and not config.async_save
+        assert config.load == config.save
+        assert config.kl_coef == (1e-3 if loss in ("epic", "grpo", "gspo") else 0.0)
+    megatron = _megatron_config(config, monkeypatch)
+    assert megatron.num_layers_in_first_pipeline_stage == 23
+    assert megatron.num_layers_in_last_pipeline_stage == 23
+    assert megatron.pipeline_model_parallel_size == 4 and megatron.sequence_parallel
+    assert megatron.recompute_granularity == "full"
+
+
+def test_235b_serving_nodes_start_one_sglang_server_each():
+    for rank in range(4, 8):
+        out = _dry_run(rank, SCRIPT_235B, **_env_235b(REPLAY="r3"))
+        assert "torchrun" not in out and "CUDA_DEVICE_MAX_CONNECTIONS" not in out
+        assert "sglang.launch_server" in out and "--model-path /shared/Qwen3-235B-A22B" in out
+        assert "--tp-size 8" in out and "--ep-size 8" in out
+        assert "--mem-fraction-static 0.85" in out and "--enable-return-routed-experts" in out
+        assert "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7" in out
+        heartbeat = "runs/qwen3-235b-a22b-vespo-r3-N8/job.alive"
+        assert f"# stops the servers when {heartbeat} is removed or unchanged for 300 s" in out
+        assert f".nodes/node{rank}: launch=" in out
+    assert "--enable-return-routed-experts" not in _dry_run(4, SCRIPT_235B, **_env_235b())
+
+
+def test_235b_options_reach_the_trainer():
+    env = _env_235b(OPTIMIZER_OFFLOAD_FRACTION="0.9", ASYNC_SAVE="1", KL_COEF="0.01")
+    config = _trainer_config(_train_argv(_dry_run(1, SCRIPT_235B, **env)))
+    assert config.optimizer_offload_fraction == 0.9 and config.optimizer_cpu_offload
+    assert config.async_save and config.ckpt_format == "torch_dist"
+    assert config.kl_coef == 0.01
+
+
+def test_235b_node_rank_out_of_range_is_refused():
+    environment = _base_env(
+        **_env_235b(MASTER_ADDR="n0", ROLLOUT_HOSTS=ROLLOUT_HOSTS_235B, NODE_RANK="8", DRY_RUN="1")
+    )
+    result = subprocess.run(
+        ["bash", str(SCRIPT_235B)], cwd=ROOT, env=environment, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1 and "NODE_RANK=8: must be 0..7" in result.stderr
+
+
+def test_235b_slurm_entry_derives_every_node_role_from_slurm(tmp_path):
+    hosts = [f"gpu{i:02d}" for i in range(1, 9)]
+    result = _slurm_dry_run(tmp_path, hosts, SBATCH_235B, **_env_235b(REPLAY="r3", LOSS="epic"))
+    assert result.returncode == 0, result.stderr
+    head, nodes = _per_node(result.stdout)
+    srun = shlex.split(head.strip())
+    assert srun[0] == "srun" and "--kill-on-bad-exit=1" in srun
+    assert "--nodes=8" in srun and "--ntasks=8" in srun and "--ntasks-per-node=1" in srun
+    assert srun[-3:] == ["bash", str(SBATCH_235B), "--node"]
+    assert sorted(nodes) == list(range(8))
+    urls = tuple(f"http://gpu{i:02d}:30000" for i in range(5, 9))
+    for rank in range(4):
+        out = nodes[rank]
+        argv = _train_argv(out)
+        assert argv[argv.index("--node-rank") + 1] == str(rank)
+        assert argv[argv.index("--master-addr") + 1] == "gpu01"
+        config = _trainer_config(argv)
+        assert config.sglang_url == urls and config.routing_replay == "r3"
+        assert config.data_parallel_size(32) == 2
+        assert f".nodes/node{rank}: launch=4242 " in out
+        assert ("# would wait up to 300 s for RUN_DIR/.nodes/node0 .. node7" in out) == (rank == 0)
+    for rank in range(4, 8):
+        out = nodes[rank]
+        assert "torchrun" not in out and "sglang.launch_server" in out
+        assert "--enable-return-routed-experts" in out
+        assert f".nodes/node{rank}: launch=4242 " in out
+
+
+def test_235b_slurm_entry_refuses_a_wrong_allocation(tmp_path):
+    result = _slurm_dry_run(tmp_path, ["gpu01", "gpu02", "gpu03", "gpu04"], SBATCH_235B)
+    assert result.returncode != 0
+    assert "the allocation has 4 nodes (gpu01 gpu02 gpu03 gpu04); this job needs 8" in result.stderr
+
+
+def _plan_of(config, world_size: int, **overrides):
+    """The memory plan of the layout and batch a trainer config asks for (KL arms: the reference
+    counted on the GPU, as during its pass)."""
+    from megatron_rl.model.memory import (
+        Layout,
+        PlanOptions,
+        load_model_config,
+        megatron_stage_layers,
+        plan_memory,
+    )
+    from megatron_rl.parallel import ParallelConfig
+
+    sizes = {
+        "tp": config.tensor_model_parallel_size,
+        "pp": config.pipeline_model_parallel_size,
+        "ep": config.expert_model_parallel_size,
+        "first": config.decoder_first_pipeline_num_layers,
+        "last": config.decoder_last_pipeline_num_layers,
+        "offload": config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
+        **overrides,
+    }
+    hf = load_model_config("qwen3-235b-a22b")
+    parallel = ParallelConfig(
+        tensor_parallel=sizes["tp"],
+        pipeline_parallel=sizes["pp"],
+        expert_parallel=sizes["ep"],
+        sequence_parallel=config.sequence_parallel,
+    )
+    stages = megatron_stage_layers(hf.num_hidden_layers, sizes["pp"], sizes["first"], sizes["last"])
+    tokens = config.micro_batch_size * (config.max_prompt_length + config.max_response_length)
+    options = PlanOptions(
+        params_dtype="bfloat16" if config.bf16 else "float32",
+        distributed_optimizer=config.use_distributed_optimizer,
+        recompute=config.recompute_granularity or "none",
+        micro_batch_tokens=tokens,
+        routing_replay=config.routing_replay,
+        routing_responses=config.samples_per_rollout if config.routing_replay != "off" else None,
+        routing_response_tokens=tokens if config.routing_replay != "off" else None,
+        reference="gpu" if config.kl_coef > 0 else "off",
+        optimizer_offload_fraction=sizes["offload"],
+    )
+    layout = Layout.from_world_size(parallel, world_size, stages)
+    return plan_memory(hf, layout, options, gpu_gib=80)
+
+
+def test_235b_memory_plan_of_the_launched_layout_fits_and_no_pipeline_does_not():
+    config = _trainer_config(
+        _train_argv(_dry_run(0, SCRIPT_235B, **_env_235b(LOSS="epic", REPLAY="r2")))
+    )
+    assert config.kl_coef > 0 and config.routing_replay == "r2"  # the fullest arm
+    plan = _plan_of(config, 32)
+    assert plan.layout.stage_layers(94) == (23, 24, 24, 23)
+    assert plan.fits, plan.total_bytes / 2**30
+    assert 60 < plan.total_bytes / 2**30 < 70  # the run script's comment: 66.3 GiB on stage 3
+    assert plan.peak.term("reference model").on_gpu
+    host = plan.peak.term("optimizer: offloaded to host")
+    assert not host.on_gpu and 100 * 2**30 < host.nbytes < 115 * 2**30
+    # the optimizer offload is what makes it fit, and 0.9 of it is enough, 0.8 is not
+    assert not _plan_of(config, 32, offload=0.0).fits
+    assert _plan_of(config, 32, offload=0.9).fits
+    assert not _plan_of(config, 32, offload=0.8).fits
+    # without pipeline parallelism on the same 32 GPUs: no EP fits this arm
+    for ep in (8, 16, 32):
+        assert not _plan_of(config, 32, pp=1, ep=ep, first=None, last=None).fits, ep
+    no_pp = _plan_of(config, 32, pp=1, ep=16, first=None, last=None).peak
+    params_and_grads = sum(
+        no_pp.term(name).nbytes
+        for name in ("parameters: dense", "parameters: experts", "gradient buffers")
+    )
+    assert params_and_grads > 90 * 2**30  # the issue's figure at EP16
+    # nor do 16 GPUs with pipeline parallelism
+    assert not _plan_of(config, 16, ep=4).fits

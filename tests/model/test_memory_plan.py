@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from megatron_rl.model.memory import (
     layer_activation_bytes,
     load_model_config,
     megatron_buffer,
+    megatron_stage_layers,
     optimizer_state_bytes,
     plan_memory,
     stage_params,
@@ -359,6 +361,95 @@ def test_uneven_pipeline_split_235b():
         Layout.from_world_size(parallel, 64, (24, 23, 24, 23)).validate(shape)
 
 
+@pytest.mark.parametrize(
+    ("pp", "first", "last", "stages"),
+    [
+        (1, None, None, (94,)),
+        (2, None, None, (47, 47)),
+        (4, 23, 23, (23, 24, 24, 23)),
+        (4, None, 22, (24, 24, 24, 22)),
+        (4, 22, None, (22, 24, 24, 24)),
+        (2, 40, 54, (40, 54)),
+    ],
+)
+def test_megatron_stage_layers_split_like_megatron(pp, first, last, stages):
+    assert megatron_stage_layers(94, pp, first, last) == stages
+
+
+@pytest.mark.parametrize(
+    ("pp", "first", "last", "message"),
+    [
+        (4, 22, 23, "49 layers left after the first/last stages do not split evenly over the 2"),
+        (4, None, None, "94 layers left"),
+        (1, 23, None, "need pipeline parallel size > 1"),
+        (2, 40, 50, "first 40 + last 50 layers != num_hidden_layers=94"),
+        (4, 0, 23, "first stage layers=0: must be >= 1"),
+    ],
+)
+def test_megatron_stage_layers_refuses_what_megatron_refuses(pp, first, last, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        megatron_stage_layers(94, pp, first, last)
+
+
+def test_megatron_stage_layers_agree_with_megatrons_transformer_config(monkeypatch):
+    """The split megatron-core's own `TransformerConfig` makes (and refuses) from the trainer's
+    --decoder-first/last-pipeline-num-layers."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.model.config import ModelOptions, to_transformer_config
+
+    sizes = {"tensor_model_parallel": 4, "pipeline_model_parallel": 4, "context_parallel": 1}
+    sizes |= {"expert_model_parallel": 8, "expert_tensor_parallel": 1}
+    for name, size in sizes.items():
+        monkeypatch.setattr(parallel_state, f"get_{name}_world_size", lambda size=size: size)
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    config = load_model_config("qwen3-235b-a22b")
+
+    def megatron_split(first, last):
+        options = ModelOptions(dtype="bfloat16", first_stage_layers=first, last_stage_layers=last)
+        megatron = to_transformer_config(config, options, use_te=False)
+        return tuple(get_num_layers_to_build(megatron, pp_rank=rank) for rank in range(4))
+
+    for first, last in ((23, 23), (22, None), (None, 22)):
+        assert megatron_stage_layers(94, 4, first, last) == megatron_split(first, last)
+    for first, last in ((22, 23), (None, 26), (None, None)):  # both refuse the same splits
+        with pytest.raises((ValueError, AssertionError)):
+            megatron_split(first, last)
+        with pytest.raises(ValueError):
+            megatron_stage_layers(94, 4, first, last)
+
+
+def test_optimizer_cpu_offload_moves_the_shard_to_host_memory():
+    config = load_model_config("qwen3-235b-a22b")
+    layout = Layout.from_world_size(
+        ParallelConfig(tensor_parallel=4, pipeline_parallel=4, expert_parallel=8),
+        32,
+        (23, 24, 24, 23),
+    )
+    base = plan_memory(config, layout, PlanOptions(micro_batch_tokens=18432))
+    for fraction in (1.0, 0.5):
+        options = PlanOptions(micro_batch_tokens=18432, optimizer_offload_fraction=fraction)
+        plan = plan_memory(config, layout, options)
+        for before, after in zip(base.stages, plan.stages, strict=True):
+            state = sum(before.term(f"optimizer: {k}").nbytes for k in ("dense", "experts"))
+            kept = sum(after.term(f"optimizer: {k}").nbytes for k in ("dense", "experts"))
+            assert abs(kept - (1 - fraction) * state) <= 2
+            host = after.term("optimizer: offloaded to host")
+            assert not host.on_gpu and host.exact == (fraction == 1.0)
+            # per element on the host: fp32 master, m, v (12 B, as on the GPU) + a grad copy
+            assert abs(host.nbytes - fraction * state * 16 / 12) <= 16
+            assert before.gpu_bytes - after.gpu_bytes == state - kept
+    # 235B on 32 GPUs: only with the optimizer state offloaded
+    assert not base.fits
+    full = PlanOptions(micro_batch_tokens=18432, optimizer_offload_fraction=1.0)
+    assert plan_memory(config, layout, full).fits
+    with pytest.raises(ValueError, match="needs distributed_optimizer"):
+        PlanOptions(distributed_optimizer=False, optimizer_offload_fraction=0.5)
+    with pytest.raises(ValueError, match="must be in"):
+        PlanOptions(optimizer_offload_fraction=1.5)
+
+
 # ------------------------------------------------------------------------- routing, activations
 @pytest.mark.parametrize("codec_name", ["uint8", "packed"])
 def test_routing_state_reuses_the_routing_memory_accounting(codec_name):
@@ -453,6 +544,24 @@ def test_cli_table_and_error_exit(capsys):
         assert expected in out, expected
     assert tool.main([*argv[:4], "--ep", "3", "--world-size", "6"]) == 2
     assert "num_experts=128 is not divisible by expert parallel size 3" in capsys.readouterr().err
+
+
+def test_cli_pipeline_flags_and_offload(capsys):
+    tool = _load_tool()
+    argv = ["--model", "qwen3-235b-a22b", "--tp", "4", "--pp", "4", "--ep", "8"]
+    argv += ["--world-size", "32", "--micro-batch-tokens", "18432", "--json"]
+    uneven = ["--decoder-first-pipeline-num-layers", "23", "--decoder-last-pipeline-num-layers"]
+    assert tool.main([*argv, *uneven, "23", "--optimizer-offload-fraction", "1"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["layout"]["pipeline_layers"] == [23, 24, 24, 23] and plan["fits"]
+    assert tool.main([*argv, "--pipeline-layers", "23,24,24,23"]) == 0
+    assert not json.loads(capsys.readouterr().out)["fits"]  # no offload
+    assert tool.main([*argv, *uneven, "22"]) == 2
+    assert "do not split evenly" in capsys.readouterr().err
+    assert tool.main([*argv, *uneven, "23", "--pipeline-layers", "23,24,24,23"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert tool.main([*argv[:-1], *uneven, "23", "--optimizer-offload-fraction", "1"]) == 0
+    assert "host memory per GPU of this stage" in capsys.readouterr().out
 
 
 def test_cli_json_smoke():
