@@ -46,6 +46,24 @@ def sum_over_ranks(values: Sequence[float], group: dist.ProcessGroup | None = No
     return tensor.tolist()
 
 
+def max_over_ranks(values: Sequence[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """Element-wise float64 maximum of ``values`` over the ranks of ``group``."""
+    if not is_distributed() or dist.get_world_size(group) == 1:
+        return [float(v) for v in values]
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=group_device(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return tensor.tolist()
+
+
+def broadcast_object(obj, src: int, group: dist.ProcessGroup | None = None):
+    """``obj`` of global rank ``src`` on every rank of ``group`` (a picklable object)."""
+    if not is_distributed() or dist.get_world_size(group) == 1:
+        return obj
+    payload = [obj]
+    dist.broadcast_object_list(payload, src=src, group=group)
+    return payload[0]
+
+
 def any_rank(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     """True on every rank when ``flag`` is true on at least one rank of ``group``."""
     return _reduce_flag(flag, dist.ReduceOp.MAX, group) if is_distributed() else bool(flag)

@@ -12,6 +12,11 @@ then *update* passes (forward + backward) over the same micro-batches. Per mode:
 (``record_only``: the same passes, but nothing is replayed; agreement is measured.) The trainer
 calls `ReplayPasses.behaviour` and `ReplayPasses.update` around each micro-batch's forward (and
 backward) without knowing the mode; `RoutingReplay` underneath drives megatron's ``RouterReplay``.
+
+Pipeline schedules run many micro-batches' forwards and backwards interleaved (1F1B), so a pass
+spans the whole schedule instead: `ReplayPasses.schedule` opens it, and megatron's
+``forward_step_func`` calls `before_forward` / `after_forward` around each micro-batch's forward
+on this stage (its local MoE layers only).
 """
 
 from __future__ import annotations
@@ -83,6 +88,39 @@ class ReplayPasses:
             return self.driver.replay(key=key, phase=phase)
         return self.driver.replay(routes=self._engine_routes(batch), phase=phase)
 
+    # ------------------------------------------------------------------ pipeline schedules
+    @contextlib.contextmanager
+    def schedule(self, phase: str):
+        """One pass over every micro-batch of a pipeline schedule; ``phase``: "behaviour" (the
+        old-logprob pass) or "update". Yields ``(before_forward, after_forward)``, two functions
+        of ``(key, batch)`` to call around each micro-batch's forward on this stage."""
+        if phase not in ("behaviour", "update"):
+            raise ValueError(f"phase={phase!r}: use 'behaviour' or 'update'")
+        if self.mode == "off":
+            yield _nothing, _nothing
+            return
+        records = self.mode == "r2" and phase == "behaviour"
+        if not records:
+            self.driver.set_phase(phase)
+        self.driver.start_pass("record" if records else "replay")
+        succeeded = False
+        try:
+            if records:
+                yield _nothing, lambda key, batch: self.driver.keep_recorded(key)
+            else:
+                yield (lambda key, batch: self._push(key, batch, phase)), _nothing
+            succeeded = True
+        finally:
+            self.driver.finish_pass(succeeded)
+
+    def _push(self, key: Hashable, batch: RoutedMicroBatch, phase: str) -> None:
+        if self.mode == "r2":
+            self.driver.push(self.driver.recorded_routes(key))
+            return
+        if phase == "behaviour":
+            self._sample_route_bytes += sum(blob.nbytes for blob in batch.routes if blob)
+        self.driver.push(self._engine_routes(batch))
+
     def _engine_routes(self, batch: RoutedMicroBatch) -> list[torch.Tensor]:
         if any(blob is None for blob in batch.routes):
             raise RuntimeError(
@@ -116,6 +154,10 @@ class ReplayPasses:
     def close(self) -> None:
         if self.driver is not None:
             self.driver.close()
+
+
+def _nothing(key: Hashable, batch: RoutedMicroBatch) -> None:
+    del key, batch
 
 
 def build_replay_passes(

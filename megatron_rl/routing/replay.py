@@ -237,6 +237,17 @@ class RoutingReplay:
         self._agree[self._phase][j] += same.sum().item()
         self._seen[self._phase][j] += same.numel()
 
+    def keep_recorded(self, key: Hashable) -> None:
+        """Store the routing the record pass just ran (one micro-batch) under ``key`` (R2)."""
+        self._recorded[key] = self.codec.encode(self.pop_recorded())
+
+    def recorded_routes(self, key: Hashable) -> list[torch.Tensor]:
+        """Per local MoE layer ``[rows, K]``: the routes recorded under ``key`` in this step."""
+        if key not in self._recorded:
+            raise RuntimeError(f"no routes were recorded under key {key!r} in this step")
+        decoded = self.codec.decode(self._recorded[key])
+        return [decoded[:, j] for j in range(decoded.shape[1])]
+
     # ------------------------------------------------------------------ one micro-batch
     @contextlib.contextmanager
     def record(self, key: Hashable) -> Iterator[None]:
@@ -245,7 +256,7 @@ class RoutingReplay:
         succeeded = False
         try:
             yield
-            self._recorded[key] = self.codec.encode(self.pop_recorded())
+            self.keep_recorded(key)
             succeeded = True
         finally:
             self._finish(succeeded)
@@ -267,10 +278,7 @@ class RoutingReplay:
             raise ValueError("pass exactly one of key (R2) and routes (R3)")
         self.set_phase(phase)
         if routes is None:
-            if key not in self._recorded:
-                raise RuntimeError(f"no routes were recorded under key {key!r} in this step")
-            decoded = self.codec.decode(self._recorded[key])
-            routes = [decoded[:, j] for j in range(decoded.shape[1])]
+            routes = self.recorded_routes(key)
         self.start_pass("replay")
         succeeded = False
         try:
@@ -285,6 +293,11 @@ class RoutingReplay:
         if phase not in PHASES:
             raise ValueError(f"phase={phase!r}: choose one of {PHASES}")
         self._phase = phase
+
+    def finish_pass(self, succeeded: bool) -> None:
+        """`end_pass` after a pass that succeeded; after a failed one, clear quietly (the
+        failure's own error is the one to see)."""
+        self._finish(succeeded)
 
     def _finish(self, succeeded: bool) -> None:
         if succeeded:

@@ -20,7 +20,6 @@ Engine's attention and is not implemented.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -36,14 +35,16 @@ from megatron_rl.backend.optimizer import build_optimizer, wrap_for_training
 from megatron_rl.collectives import (
     all_gather_objects,
     all_ranks_agree,
+    broadcast_object,
+    max_over_ranks,
     mean_over_ranks,
     sum_over_ranks,
 )
 from megatron_rl.losses import rollout_correction
 from megatron_rl.model import build_model
-from megatron_rl.model.conversion import iter_hf_tensors
+from megatron_rl.model.conversion import iter_hf_tensors_every_stage
 from megatron_rl.moe_layers import moe_layer_numbers
-from megatron_rl.routing.passes import TokenLayout, build_replay_passes
+from megatron_rl.routing.passes import ReplayPasses, TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
 from megatron_rl.train.async_rollout import (
     AsyncState,
@@ -55,14 +56,17 @@ from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.engines import build_engine
-from megatron_rl.train.logprobs import forward_logits, token_entropy, token_logprobs
+from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
+from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.reference import ReferencePolicy
 from megatron_rl.train.rollout_phase import run_rollout
 from megatron_rl.train.setup import build_task, load_policy_config
 
 logger = logging.getLogger(__name__)
+
+NO_REPLAY = ReplayPasses()  # the KL reference routes freely
 
 
 class Trainer:
@@ -81,6 +85,9 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.mp_group = parallel_state.get_model_parallel_group()
+        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
         self.mp_src = parallel_state.get_model_parallel_src_rank()
         self.is_generator = dist.get_rank() == self.mp_src
         self.seq_multiple = parallel.tensor_parallel if parallel.sequence_parallel else 1
@@ -312,6 +319,9 @@ class Trainer:
                 continue
             self._update(j, minibatch, behaviour[j], metrics)
         metrics["time/update"] = time.perf_counter() - t
+        if self.pp > 1:  # the losses, log-probs and entropies were computed on the last stage
+            last = parallel_state.get_pipeline_model_parallel_last_rank()
+            metrics = broadcast_object(metrics, src=last, group=self.pp_group)
         return metrics
 
     def _balance(self, minibatches: list[list[TrainSample]], metrics) -> list[list[TrainSample]]:
@@ -357,35 +367,53 @@ class Trainer:
             for chunk in chunks
         ]
 
-    def _old_logprob_pass(self, batches, metrics) -> list[list[dict]]:
+    def _old_logprob_pass(self, batches, metrics) -> list[list[dict | None]]:
         """Per micro-batch: trainer log-probs, behaviour log-probs, weights/masks, ref log-probs.
 
-        R2 records each micro-batch's routing here; R3 replays the engine's routes.
+        R2 records each micro-batch's routing here; R3 replays the engine's routes. With pipeline
+        parallelism the entries exist on the last stage (elsewhere they are None); the
+        reference's log-probs come from their own pass through the schedule.
         """
-        out, gaps, entropies = [], [], []
+        flat = [mb for minibatch in batches for mb in minibatch]
+        keys = [(j, i) for j, minibatch in enumerate(batches) for i in range(len(minibatch))]
+        entries: list[dict | None] = [None] * len(flat)
+        gaps, entropies = [], []
+        refs = self._reference_logprobs(flat, keys) if self.reference else [None] * len(flat)
+
+        def on_logits(k: int, logits: torch.Tensor) -> None:
+            mb = flat[k]
+            entry = self._behaviour_entry(mb, logits, refs[k])
+            gaps.append((entry["old"] - mb.rollout_logprobs_BT)[mb.loss_mask_BT])
+            entropies.append(token_entropy(logits, self.config.temperature)[mb.loss_mask_BT])
+            entries[k] = entry
+
         self.model.eval()
-        resident = self.reference.resident() if self.reference else contextlib.nullcontext()
-        with torch.no_grad(), resident:
-            for j, minibatch in enumerate(batches):
-                row = []
-                for i, mb in enumerate(minibatch):
-                    with self.replay.behaviour((j, i), mb.routed()):
-                        logits = forward_logits(self.model, mb.tokens_BS)
-                    entry = self._behaviour_entry(mb, logits)
-                    gaps.append((entry["old"] - mb.rollout_logprobs_BT)[mb.loss_mask_BT])
-                    entropies.append(
-                        token_entropy(logits, self.config.temperature)[mb.loss_mask_BT]
-                    )
-                    row.append(entry)
-                out.append(row)
+        with torch.no_grad():
+            run_pass(self.model, flat, keys, self.replay, on_logits, phase="behaviour")
         self.model.train()
-        gap = torch.cat(gaps).clamp(-20, 20)  # log(pi_train / mu_rollout) per response token
-        metrics["mismatch/train_rollout_logprob_abs_gap"] = float(gap.abs().mean())
-        metrics["mismatch/train_rollout_k3"] = float((torch.expm1(-gap) + gap).mean())
-        metrics["entropy"] = float(torch.cat(entropies).mean())
+        if self.last_stage:
+            gap = torch.cat(gaps).clamp(-20, 20)  # log(pi_train / mu_rollout) per response token
+            metrics["mismatch/train_rollout_logprob_abs_gap"] = float(gap.abs().mean())
+            metrics["mismatch/train_rollout_k3"] = float((torch.expm1(-gap) + gap).mean())
+            metrics["entropy"] = float(torch.cat(entropies).mean())
+        out, k = [], 0
+        for minibatch in batches:
+            out.append(entries[k : k + len(minibatch)])
+            k += len(minibatch)
         return out
 
-    def _behaviour_entry(self, mb: MicroBatch, logits) -> dict:
+    def _reference_logprobs(self, flat: list[MicroBatch], keys) -> list[torch.Tensor | None]:
+        """``log pi_ref`` of every micro-batch (last pipeline stage; None elsewhere)."""
+        refs: list[torch.Tensor | None] = [None] * len(flat)
+
+        def on_logits(k: int, logits: torch.Tensor) -> None:
+            refs[k] = token_logprobs(logits, flat[k].tokens_BS, self.config.temperature)
+
+        with torch.no_grad(), self.reference.resident():
+            run_pass(self.reference.model, flat, keys, NO_REPLAY, on_logits, phase="behaviour")
+        return refs
+
+    def _behaviour_entry(self, mb: MicroBatch, logits, ref_logprobs) -> dict:
         """What the updates of one micro-batch need from the old-logprob pass."""
         config = self.config
         old = token_logprobs(logits, mb.tokens_BS, config.temperature)
@@ -399,49 +427,52 @@ class Trainer:
                 loss_mask=mb.loss_mask_BT,
             )
             entry.update(weights=correction.weights, mask=correction.loss_mask)
-        if self.reference is not None:
-            entry["ref"] = self.reference.logprobs(mb.tokens_BS, config.temperature)
+        if ref_logprobs is not None:
+            entry["ref"] = ref_logprobs
         return entry
 
-    def _update(self, j: int, minibatch: list[MicroBatch], behaviour: list[dict], metrics) -> None:
+    def _update(self, j: int, minibatch: list[MicroBatch], behaviour: list, metrics) -> None:
         """One optimizer step over the micro-batches of mini-batch ``j``."""
-        # this mini-batch's response tokens and sequences, summed over data-parallel ranks
-        num_tokens, num_seqs = sum_over_ranks(
-            [
+        # this mini-batch's response tokens and sequences, summed over data-parallel ranks (the
+        # masks live on the last pipeline stage; the other stages learn the totals from it)
+        local = [0.0, 0.0]
+        if self.last_stage:
+            local = [
                 sum(float(e["mask"].sum()) for e in behaviour),
                 sum(float(e["mask"].any(dim=-1).sum()) for e in behaviour),
-            ],
-            group=self.dp_group,
-        )
+            ]
+        num_tokens, num_seqs = sum_over_ranks(local, group=self.dp_group)
+        if self.pp > 1:
+            num_tokens, num_seqs = max_over_ranks([num_tokens, num_seqs], group=self.pp_group)
         if num_tokens == 0:
             _count(metrics, "update/skipped_empty")
             return
         self.optimizer.zero_grad()
         finite, loss_metrics = True, []
-        last = len(minibatch) - 1
-        for i, (mb, entry) in enumerate(zip(minibatch, behaviour, strict=True)):
-            # gradients are reduced once, after the last micro-batch (overlapped with its
-            # backward under --overlap-grad-reduce)
-            no_sync = self.model.no_sync() if i < last else contextlib.nullcontext()
-            with no_sync, self.replay.update((j, i), mb.routed()):
-                logits = forward_logits(self.model, mb.tokens_BS)
-                logprobs = token_logprobs(logits, mb.tokens_BS, self.config.temperature)
-                if not self.nonfinite.finite(logprobs, entry["mask"]):
-                    finite = False  # keep running forwards: peers wait in collectives
-                    continue
-                out = objective(
-                    self.objective,
-                    logprobs_BT=logprobs,
-                    old_logprobs_BT=entry["behaviour"],
-                    advantages_B=mb.advantages_B,
-                    loss_mask_BT=entry["mask"],
-                    num_tokens=num_tokens,
-                    num_seqs=num_seqs,
-                    token_weights_BT=entry["weights"],
-                    ref_logprobs_BT=entry.get("ref"),
-                )
-                (out.loss * self.dp).backward()
-                loss_metrics.append(out.metrics)
+
+        def on_logits(i: int, logits: torch.Tensor) -> torch.Tensor | None:
+            nonlocal finite
+            entry, mb = behaviour[i], minibatch[i]
+            logprobs = token_logprobs(logits, mb.tokens_BS, self.config.temperature)
+            if not self.nonfinite.finite(logprobs, entry["mask"]):
+                finite = False  # keep running forwards: peers wait in collectives
+                return None
+            out = objective(
+                self.objective,
+                logprobs_BT=logprobs,
+                old_logprobs_BT=entry["behaviour"],
+                advantages_B=mb.advantages_B,
+                loss_mask_BT=entry["mask"],
+                num_tokens=num_tokens,
+                num_seqs=num_seqs,
+                token_weights_BT=entry["weights"],
+                ref_logprobs_BT=entry.get("ref"),
+            )
+            loss_metrics.append(out.metrics)
+            return out.loss * self.dp
+
+        keys = [(j, i) for i in range(len(minibatch))]
+        run_pass(self.model, minibatch, keys, self.replay, on_logits, phase="update")
         grad_norm = self.optimizer.step() if all_ranks_agree(finite) else None
         self.nonfinite.record(grad_norm is not None, f"step {self.step_index} update {j}")
         if grad_norm is None:
@@ -460,10 +491,11 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """Push the policy to the engine as weight ``version`` (every rank streams its shard)."""
-        stream = iter_hf_tensors(self.model.module, self.hf_config)
         pushes = self.engine is not None and (
             self.config.rollout_engine == "local" or dist.get_rank() == 0
         )
+        # pipeline stages: the pushing rank (stage 0) receives the other stages' tensors
+        stream = iter_hf_tensors_every_stage(self.model.module, self.hf_config, wanted=pushes)
         if pushes:
             self.engine.update_weights(stream, version=version)
         else:

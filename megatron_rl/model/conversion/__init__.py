@@ -3,6 +3,7 @@
 from megatron_rl.model.conversion.export import (
     iter_canonical_tensors,
     iter_hf_tensors,
+    iter_hf_tensors_every_stage,
     save_checkpoint,
 )
 from megatron_rl.model.conversion.load import detect_format, load_checkpoint
@@ -22,6 +23,7 @@ __all__ = [
     "expected_hf_shapes",
     "iter_canonical_tensors",
     "iter_hf_tensors",
+    "iter_hf_tensors_every_stage",
     "load_checkpoint",
     "rank_tensor_maps",
     "save_checkpoint",

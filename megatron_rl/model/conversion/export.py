@@ -3,7 +3,10 @@
 `iter_hf_tensors` is what weight sync to rollout engines uses too: every rank of a TP/EP group
 walks the same parameter list, gathers one parameter at a time over TP (and its experts over
 EP), and yields full tensors; nothing larger than one gathered parameter is held.
-With pipeline parallelism each stage yields its own layers.
+With pipeline parallelism each stage yields its own layers; `iter_hf_tensors_every_stage` yields
+every stage's, in stage order, on the ranks of a pipeline group that asked for them: each
+tensor is broadcast from its stage over the pipeline group as soon as it is gathered (a header
+with name, shape and dtype, then the tensor), so a receiving rank holds one tensor at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from megatron.core import parallel_state
 from transformers import Qwen3MoeConfig
 
 from megatron_rl.atomic_io import atomic_write_text
+from megatron_rl.collectives import any_rank, broadcast_object, group_device
 from megatron_rl.model.conversion.names import rank_tensor_maps
 from megatron_rl.model.conversion.safetensors_io import write_checkpoint
 from megatron_rl.model.conversion.sharding import (
@@ -62,6 +66,41 @@ def iter_hf_tensors(
         yield from zip(tmap.hf, split(tmap, full, cfg), strict=True)
 
 
+def iter_hf_tensors_every_stage(
+    model: torch.nn.Module, hf_config: Qwen3MoeConfig | str | os.PathLike, *, wanted: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of every pipeline stage, stage by stage.
+
+    Collective over the pipeline group (every rank calls it, each with its own ``wanted``): a
+    rank whose pipeline group has any ``wanted`` rank receives the other stages' tensors; in
+    the other groups each rank yields only its own stage's (its TP/EP gathers still run).
+    Without pipeline parallelism this is `iter_hf_tensors`.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        yield from iter_hf_tensors(model, hf_config)
+        return
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stage_ranks = dist.get_process_group_ranks(group)
+    own_stage = parallel_state.get_pipeline_model_parallel_rank()
+    share = any_rank(wanted, group)
+    for stage, src in enumerate(stage_ranks):
+        if stage == own_stage:
+            for name, tensor in iter_hf_tensors(model, hf_config):
+                if share:
+                    tensor = tensor.contiguous()
+                    broadcast_object((name, tuple(tensor.shape), tensor.dtype), src, group)
+                    dist.broadcast(tensor, src=src, group=group)
+                yield name, tensor
+            if share:
+                broadcast_object(None, src, group)  # this stage is done
+        elif share:
+            while (header := broadcast_object(None, src, group)) is not None:
+                name, shape, dtype = header
+                tensor = torch.empty(shape, dtype=dtype, device=group_device(group))
+                dist.broadcast(tensor, src=src, group=group)
+                yield name, tensor
+
+
 def iter_canonical_tensors(
     model: torch.nn.Module, hf_config: Qwen3MoeConfig | str | os.PathLike
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,15 +122,20 @@ def save_checkpoint(
     """Write the model as an HF ("hf") or canonical Megatron ("megatron") checkpoint.
 
     Collective: every rank must call it; global rank 0 writes ``folder`` (safetensors shards and
-    ``config.json``). Needs pipeline parallel size 1.
+    ``config.json``). The "megatron" format needs pipeline parallel size 1; "hf" gathers every
+    pipeline stage (`iter_hf_tensors_every_stage`).
     """
     if fmt not in ("hf", "megatron"):
         raise ValueError(f"fmt={fmt!r}: choose 'hf' or 'megatron'")
-    if parallel_state.get_pipeline_model_parallel_world_size() != 1:
-        raise ValueError("save_checkpoint needs pipeline parallel size 1; export per stage instead")
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() != 1
+    if fmt == "megatron" and pipelined:
+        raise ValueError("fmt='megatron' needs pipeline parallel size 1; use fmt='hf'")
     cfg = load_hf_config(hf_config)
-    tensors = iter_hf_tensors(model, cfg) if fmt == "hf" else iter_canonical_tensors(model, cfg)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    if fmt == "hf":
+        tensors = iter_hf_tensors_every_stage(model, cfg, wanted=is_writer)
+    else:
+        tensors = iter_canonical_tensors(model, cfg)
     if is_writer:
         folder = os.fspath(folder)
         os.makedirs(folder, exist_ok=True)

@@ -1,0 +1,125 @@
+"""The trainer's passes over micro-batches, on one pipeline stage or through megatron's schedule.
+
+A pass runs ``micro_batches`` through the model, forward only (the old-logprob pass) or forward
+and backward (an update). ``on_logits(i, logits)`` runs where the logits are, the last pipeline
+stage, and returns micro-batch ``i``'s loss (``None``: no backward for it, forward-only passes
+return ``None`` always). Routing replay is told about each micro-batch's forward through
+`ReplayPasses`.
+
+* One stage (PP = 1): a plain loop, forward then backward per micro-batch, the gradient
+  reduction deferred to the last micro-batch (``model.no_sync``).
+* Pipeline parallel (PP > 1): megatron-core's own schedule (``get_forward_backward_func``: 1F1B
+  without interleaving), activations of varying ``[s, b, h]`` shapes between stages
+  (``variable_seq_lengths``; micro-batches are padded to their own longest row, and token-budget
+  micro-batches have varying row counts). Megatron divides a loss returned by the loss function
+  by the number of micro-batches; the trainer's losses are already normalised by the global
+  token/sequence counts of the optimizer step, so `pipeline_pass` multiplies that back. A
+  micro-batch whose loss is ``None`` (non-finite log-probs: the step is skipped anyway) gets a
+  zero loss so that every stage still runs its backward and no stage waits forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_rl.backend import cuda_available
+from megatron_rl.routing.passes import ReplayPasses
+from megatron_rl.train.batch import MicroBatch
+from megatron_rl.train.logprobs import forward_logits
+
+OnLogits = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+def single_stage_pass(
+    model,
+    micro_batches: Sequence[MicroBatch],
+    keys: Sequence[Hashable],
+    replay: ReplayPasses,
+    on_logits: OnLogits,
+    *,
+    phase: str,
+) -> None:
+    """PP = 1: forward (and backward of the returned loss) per micro-batch, in order."""
+    last = len(micro_batches) - 1
+    for i, (mb, key) in enumerate(zip(micro_batches, keys, strict=True)):
+        if phase == "behaviour":
+            with replay.behaviour(key, mb.routed()):
+                on_logits(i, forward_logits(model, mb.tokens_BS))
+            continue
+        # gradients are reduced once, after the last micro-batch (overlapped with its backward
+        # under --overlap-grad-reduce)
+        no_sync = model.no_sync() if i < last else contextlib.nullcontext()
+        with no_sync, replay.update(key, mb.routed()):
+            loss = on_logits(i, forward_logits(model, mb.tokens_BS))
+            if loss is not None:
+                loss.backward()
+
+
+def pipeline_pass(
+    model,
+    micro_batches: Sequence[MicroBatch],
+    keys: Sequence[Hashable],
+    replay: ReplayPasses,
+    on_logits: OnLogits,
+    *,
+    phase: str,
+) -> None:
+    """PP > 1: the same pass through megatron's pipeline schedule (every stage calls it)."""
+    count = len(micro_batches)
+    forward_only = phase == "behaviour"
+    last_stage = parallel_state.is_pipeline_last_stage()
+    config = model.config
+    if not forward_only:  # megatron's schedule defers the gradient reduction to the last one
+        config.no_sync_func = model.no_sync
+    # gloo (CPU) has no batched p2p; NCCL takes the batched form
+    config.batch_p2p_comm = cuda_available()
+    with replay.schedule(phase) as (before_forward, after_forward):
+
+        def forward_step(data_iterator, stage_model):
+            i = next(data_iterator)
+            mb = micro_batches[i]
+            before_forward(keys[i], mb.routed())
+            output = forward_logits(stage_model, mb.tokens_BS)
+            after_forward(keys[i], mb.routed())
+
+            def loss_func(logits):
+                loss = on_logits(i, logits) if last_stage else None
+                if loss is None:  # forward only, or a skipped micro-batch: nothing to learn
+                    loss = logits.float().sum() * 0.0
+                return loss * count, {}  # megatron divides by the number of micro-batches
+
+            return output, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(range(count)),
+            model=[model],
+            num_microbatches=count,
+            seq_length=max(mb.tokens_BS.shape[1] for mb in micro_batches),
+            micro_batch_size=max(mb.tokens_BS.shape[0] for mb in micro_batches),
+            forward_only=forward_only,
+        )
+
+
+def run_pass(
+    model,
+    micro_batches: Sequence[MicroBatch],
+    keys: Sequence[Hashable],
+    replay: ReplayPasses,
+    on_logits: OnLogits,
+    *,
+    phase: str,
+) -> None:
+    """`single_stage_pass` or `pipeline_pass`, by this job's pipeline-parallel size."""
+    if phase not in ("behaviour", "update"):
+        raise ValueError(f"phase={phase!r}: use 'behaviour' or 'update'")
+    if not micro_batches:
+        return
+    pipelined = parallel_state.get_pipeline_model_parallel_world_size() > 1
+    run = pipeline_pass if pipelined else single_stage_pass
+    run(model, micro_batches, keys, replay, on_logits, phase=phase)
