@@ -84,9 +84,31 @@ class ReplayPasses:
     def _replay(self, key: Hashable, batch: RoutedMicroBatch, phase: str) -> ContextManager[None]:
         if self.mode == "off":
             return contextlib.nullcontext()
+        counted = self._counted_rows(batch)
         if self.mode == "r2":
-            return self.driver.replay(key=key, phase=phase)
-        return self.driver.replay(routes=self._engine_routes(batch), phase=phase)
+            return self.driver.replay(key=key, phase=phase, counted_rows=counted)
+        routes = self._engine_routes(batch)
+        return self.driver.replay(routes=routes, phase=phase, counted_rows=counted)
+
+    def _counted_rows(self, batch: RoutedMicroBatch) -> torch.Tensor:
+        """This rank's router rows whose agreement means something: real tokens, and under R3
+        not a sample's final token (the engine never routed it; it replays the row before)."""
+        sources = self._sources(batch)
+        real = sources.sample_R >= 0
+        if self.mode != "r3":
+            return real
+        lengths = torch.as_tensor(list(batch.lengths), dtype=torch.int64)
+        last = lengths[sources.sample_R.clamp(min=0)] - 1
+        return real & (sources.position_R < last)
+
+    def _sources(self, batch: RoutedMicroBatch):
+        return local_token_sources(
+            list(batch.lengths),
+            seq_len=batch.seq_len,
+            tp_size=self.layout.tp_size,
+            tp_rank=self.layout.tp_rank,
+            sequence_parallel=self.layout.sequence_parallel,
+        )
 
     # ------------------------------------------------------------------ pipeline schedules
     @contextlib.contextmanager
@@ -114,12 +136,13 @@ class ReplayPasses:
             self.driver.finish_pass(succeeded)
 
     def _push(self, key: Hashable, batch: RoutedMicroBatch, phase: str) -> None:
+        counted = self._counted_rows(batch)
         if self.mode == "r2":
-            self.driver.push(self.driver.recorded_routes(key))
+            self.driver.push(self.driver.recorded_routes(key), counted)
             return
         if phase == "behaviour":
             self._sample_route_bytes += sum(blob.nbytes for blob in batch.routes if blob)
-        self.driver.push(self._engine_routes(batch))
+        self.driver.push(self._engine_routes(batch), counted)
 
     def _engine_routes(self, batch: RoutedMicroBatch) -> list[torch.Tensor]:
         if any(blob is None for blob in batch.routes):
@@ -127,13 +150,7 @@ class ReplayPasses:
                 "R3 needs the rollout engine's routes on every sample, and some have none: the "
                 "engine was not asked for routes or did not return them"
             )
-        sources = local_token_sources(
-            list(batch.lengths),
-            seq_len=batch.seq_len,
-            tp_size=self.layout.tp_size,
-            tp_rank=self.layout.tp_rank,
-            sequence_parallel=self.layout.sequence_parallel,
-        )
+        sources = self._sources(batch)
         return self.driver.routes_for_micro_batch(batch.routes, batch.lengths, sources)
 
     def metrics(self) -> dict[str, float]:

@@ -102,6 +102,7 @@ class RoutingReplay:
         self._forward_calls = [0] * num_layers
         self._recompute_calls = [0] * num_layers
         self._targets: list[torch.Tensor] | None = None
+        self._counted: torch.Tensor | None = None
 
     def start_pass(self, kind: str) -> None:
         """Begin a ``"record"`` or ``"replay"`` pass over one or more micro-batches."""
@@ -116,8 +117,13 @@ class RoutingReplay:
         if kind == "record":  # recording never changes the routing, also in record_only mode
             self._set_action(RouterReplayAction.RECORD)
 
-    def push(self, routes_per_layer: Sequence[torch.Tensor]) -> None:
-        """Targets ``[rows, K]`` per local MoE layer for the next micro-batch forward."""
+    def push(
+        self, routes_per_layer: Sequence[torch.Tensor], counted_rows: torch.Tensor | None = None
+    ) -> None:
+        """Targets ``[rows, K]`` per local MoE layer for the next micro-batch forward.
+
+        ``counted_rows`` (bool ``[rows]``): the rows whose agreement is measured (real tokens
+        with a real route); None counts every row."""
         if self._kind != "replay":
             raise RuntimeError("push() needs an open replay pass (start_pass('replay'))")
         if len(routes_per_layer) != len(self.routers):
@@ -130,6 +136,7 @@ class RoutingReplay:
             t.to(device=router.weight.device, dtype=torch.int64)
             for t, router in zip(routes_per_layer, self.routers, strict=True)
         ]
+        self._counted = counted_rows
         self._pushed += 1
         if not self.config.record_only:
             for router, target in zip(self.routers, self._targets, strict=True):
@@ -234,6 +241,8 @@ class RoutingReplay:
                 f"targets are {tuple(target.shape)}"
             )
         same = (own == target.to(own.device).sort(dim=-1).values).all(dim=-1)
+        if self._counted is not None:  # padding rows and rows without a route of their own
+            same = same[self._counted.to(same.device)]
         self._agree[self._phase][j] += same.sum().item()
         self._seen[self._phase][j] += same.numel()
 
@@ -268,11 +277,13 @@ class RoutingReplay:
         key: Hashable | None = None,
         routes: Sequence[torch.Tensor] | None = None,
         phase: str = "update",
+        counted_rows: torch.Tensor | None = None,
     ) -> Iterator[None]:
         """Replay (or, record_only, compare with) R2 routes under ``key`` or given ``routes``.
 
         Run the forward *and* the backward inside the block when activation recompute is on.
-        ``phase`` ("behaviour" or "update") is where the agreement counts go.
+        ``phase`` ("behaviour" or "update") is where the agreement counts go; ``counted_rows``
+        see `push`.
         """
         if (key is None) == (routes is None):
             raise ValueError("pass exactly one of key (R2) and routes (R3)")
@@ -282,7 +293,7 @@ class RoutingReplay:
         self.start_pass("replay")
         succeeded = False
         try:
-            self.push(routes)
+            self.push(routes, counted_rows)
             yield
             succeeded = True
         finally:
