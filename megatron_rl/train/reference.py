@@ -5,9 +5,10 @@ old-logprob pass). The reference is a second copy of the initial policy (same la
 no routing replay, no gradients), i.e. the policy's parameter bytes again on every GPU (about
 4-8 GiB per GPU for Qwen3-30B-A3B on the 32-GPU launcher's layout; ``tools/memory_plan.py``
 counts it). With ``offload`` (the default) its weights stay in host memory and visit the compute
-device only for the duration of the old-logprob pass (`ReferencePolicy.resident`), so the update
+device only for the duration of its own pass (`ReferencePolicy.resident`), so the update
 passes, which hold gradients, optimizer state and activations, never see them. On a CPU-only run
-both places are the CPU and nothing moves.
+both places are the CPU and nothing moves. The pass runs like the policy's old-logprob pass
+(`megatron_rl.train.pipeline.run_pass`: one stage, or megatron's pipeline schedule).
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_rl.train.logprobs import forward_logits, token_logprobs
+from megatron_rl.routing.passes import ReplayPasses
+from megatron_rl.train.batch import MicroBatch
+from megatron_rl.train.logprobs import token_logprobs
+from megatron_rl.train.pipeline import run_pass
+
+FREE_ROUTING = ReplayPasses()  # the reference routes freely
 
 
 class ReferencePolicy:
-    """``logprobs(tokens)`` of a frozen model; call it inside ``with resident():``."""
+    """``logprobs(micro_batches)`` of a frozen model; call it inside ``with resident():``."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, *, offload: bool) -> None:
         self.model = model.eval().requires_grad_(False)
@@ -46,8 +52,18 @@ class ReferencePolicy:
             self._resident = False
 
     @torch.no_grad()
-    def logprobs(self, tokens_BS: torch.Tensor, temperature: float) -> torch.Tensor:
-        """``[b, s - 1]`` ``log pi_ref`` of ``tokens[:, 1:]`` (see `token_logprobs`)."""
+    def logprobs(
+        self, micro_batches: list[MicroBatch], temperature: float
+    ) -> list[torch.Tensor | None]:
+        """Per micro-batch ``[b, s - 1]`` ``log pi_ref`` of ``tokens[:, 1:]`` (see
+        `token_logprobs`), on the last pipeline stage (None on the others)."""
         if not self._resident:
             raise RuntimeError("the reference weights are offloaded: use `with resident():`")
-        return token_logprobs(forward_logits(self.model, tokens_BS), tokens_BS, temperature)
+        refs: list[torch.Tensor | None] = [None] * len(micro_batches)
+
+        def on_logits(k: int, logits: torch.Tensor) -> None:
+            refs[k] = token_logprobs(logits, micro_batches[k].tokens_BS, temperature)
+
+        keys = list(range(len(micro_batches)))
+        run_pass(self.model, micro_batches, keys, FREE_ROUTING, on_logits, phase="behaviour")
+        return refs

@@ -44,7 +44,7 @@ from megatron_rl.losses import rollout_correction
 from megatron_rl.model import build_model
 from megatron_rl.model.conversion import iter_hf_tensors_every_stage
 from megatron_rl.moe_layers import moe_layer_numbers
-from megatron_rl.routing.passes import ReplayPasses, TokenLayout, build_replay_passes
+from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
 from megatron_rl.train.async_rollout import (
     AsyncState,
@@ -65,8 +65,6 @@ from megatron_rl.train.rollout_phase import run_rollout
 from megatron_rl.train.setup import build_task, load_policy_config
 
 logger = logging.getLogger(__name__)
-
-NO_REPLAY = ReplayPasses()  # the KL reference routes freely
 
 
 class Trainer:
@@ -378,7 +376,10 @@ class Trainer:
         keys = [(j, i) for j, minibatch in enumerate(batches) for i in range(len(minibatch))]
         entries: list[dict | None] = [None] * len(flat)
         gaps, entropies = [], []
-        refs = self._reference_logprobs(flat, keys) if self.reference else [None] * len(flat)
+        refs: list = [None] * len(flat)
+        if self.reference is not None:
+            with self.reference.resident():
+                refs = self.reference.logprobs(flat, self.config.temperature)
 
         def on_logits(k: int, logits: torch.Tensor) -> None:
             mb = flat[k]
@@ -401,17 +402,6 @@ class Trainer:
             out.append(entries[k : k + len(minibatch)])
             k += len(minibatch)
         return out
-
-    def _reference_logprobs(self, flat: list[MicroBatch], keys) -> list[torch.Tensor | None]:
-        """``log pi_ref`` of every micro-batch (last pipeline stage; None elsewhere)."""
-        refs: list[torch.Tensor | None] = [None] * len(flat)
-
-        def on_logits(k: int, logits: torch.Tensor) -> None:
-            refs[k] = token_logprobs(logits, flat[k].tokens_BS, self.config.temperature)
-
-        with torch.no_grad(), self.reference.resident():
-            run_pass(self.reference.model, flat, keys, NO_REPLAY, on_logits, phase="behaviour")
-        return refs
 
     def _behaviour_entry(self, mb: MicroBatch, logits, ref_logprobs) -> dict:
         """What the updates of one micro-batch need from the old-logprob pass."""

@@ -2,10 +2,11 @@
 
 A 4-layer tiny Qwen3-MoE is saved as an HF checkpoint and one rollout of it (with the engine's
 routes, for R3) is kept. Every layout then loads the same weights and trains on the same samples:
-the old-logprob pass and N = 2 optimizer steps. Against one stage, PP = 2 (even 2 + 2 layers, and
-uneven 1 + 3) must give the same log-prob metrics, grad norms and updated weights (gathered from
-every stage as the weight sync gathers them) to float tolerance, also with R3 routing replay and
-with expert parallelism 2 (4 ranks: PP 2 x DP 2, experts split over the two data-parallel ranks).
+the old-logprob pass and N = 2 optimizer steps. Against one stage, PP = 2 (even 2 + 2 layers with
+the KL term, whose reference runs its own pass through the schedule; uneven 1 + 3 with R3 routing
+replay; and with expert parallelism 2: 4 ranks, PP 2 x DP 2, experts split over the two
+data-parallel ranks) must give the same log-prob, KL and loss metrics, grad norms and updated
+weights (gathered from every stage as the weight sync gathers them) to float tolerance.
 """
 
 from __future__ import annotations
@@ -75,14 +76,16 @@ def _train_worker(rank, world_size, init_method, tmp_dir, shared_dir, layout) ->
         trainer.close()
 
 
+# name: (flags of both runs, parallel flags of the staged run, its world size)
 LAYOUTS = {
-    "pp2": dict(pipeline_model_parallel_size=2),
-    "pp2_uneven_r3": dict(
-        pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=1, routing_replay="r3"
+    "pp2_kl": ({"kl_coef": 0.05}, {"pipeline_model_parallel_size": 2}, 2),
+    "pp2_uneven_r3": (
+        {"routing_replay": "r3"},
+        {"pipeline_model_parallel_size": 2, "decoder_first_pipeline_num_layers": 1},
+        2,
     ),
-    "pp2_ep2": dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
+    "pp2_ep2": ({}, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}, 4),
 }
-WORLD = {"pp2": 2, "pp2_uneven_r3": 2, "pp2_ep2": 4}
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +106,14 @@ def _result(tmp_path, shared, name: str, layout: dict, world: int) -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pipeline_stages_train_exactly_like_one_stage(tmp_path, shared, name):
-    layout = LAYOUTS[name]
-    replay = {"routing_replay": layout["routing_replay"]} if "routing_replay" in layout else {}
-    one = _result(tmp_path, shared, "pp1", replay, 1)
-    staged = _result(tmp_path, shared, name, layout, WORLD[name])
+    common, parallel, world = LAYOUTS[name]
+    one = _result(tmp_path, shared, "pp1", common, 1)
+    staged = _result(tmp_path, shared, name, {**common, **parallel}, world)
     # wall times differ; with data parallelism (EP 2 here) the metrics are rank 0's own half of
     # the samples except the grad norm, which is global
     timings = {k for k in one["metrics"] if k.startswith(("time/", "batch/"))}
     assert set(staged["metrics"]) - timings == set(one["metrics"]) - timings
-    compared = sorted(set(one["metrics"]) - timings) if WORLD[name] == 2 else ["grad_norm"]
+    compared = sorted(set(one["metrics"]) - timings) if world == 2 else ["grad_norm"]
     for key in compared:  # log-probs, entropy, losses, clip fractions, grad norms
         want = one["metrics"][key]
         assert staged["metrics"][key] == pytest.approx(want, rel=1e-5, abs=1e-7), key
@@ -119,7 +121,7 @@ def test_pipeline_stages_train_exactly_like_one_stage(tmp_path, shared, name):
     assert set(staged["weights"]) == set(one["weights"])  # every stage's tensors arrived
     # summing gradients over data-parallel ranks reorders float additions; Adam divides by
     # sqrt(v), which enlarges that noise on tiny gradients: 1e-5 is 0.3% of one step (lr 3e-3)
-    atol = 2e-6 if WORLD[name] == 2 else 1e-5
+    atol = 2e-6 if world == 2 else 1e-5
     for hf_name, tensor in one["weights"].items():
         torch.testing.assert_close(staged["weights"][hf_name], tensor, rtol=1e-5, atol=atol)
 
