@@ -8,16 +8,17 @@
     model must equal the uninterrupted one as closely as two uninterrupted runs equal each other
     (bitwise on CPU; on CUDA with torch's deterministic kernels where it has them, and the
     run-to-run difference reported as the floor).
-(b) A Qwen3-30B-A3B-shaped slice (the real hidden size, heads, 128 experts top-8, vocabulary;
+(b) The trainer's feature paths on ``--device`` (2 steps each, tiny model): every loss, R2 and R3
+    routing replay, the KL reference (offloaded to host between steps on CUDA), rollout
+    corrections with the engine's log-probs, token-budget balanced micro-batches, asynchronous
+    rollouts, and ``torch_dist`` checkpoints saved (also with ``--async-save``: megatron's forked
+    writer) and resumed. Each arm must finish with finite metrics; a failing arm is reported
+    with its error and the others still run.
+(c) The embedded default's throughput, sync vs ``--async-rollout`` (a measurement: samples/s).
+(d) A Qwen3-30B-A3B-shaped slice (the real hidden size, heads, 128 experts top-8, vocabulary;
     2 layers) runs the old-logprob pass (forward, log-probs, entropy) and one update (forward,
     backward, distributed-optimizer step) at ``--tokens`` tokens; the peak GPU memory is printed
     next to ``tools/memory_plan.py``'s prediction for the same layout.
-(d) The embedded default's throughput, sync vs ``--async-rollout`` (a measurement: samples/s).
-(c) The trainer's feature paths on ``--device`` (2 steps each, tiny model): every loss, R2 and R3
-    routing replay, the KL reference (offloaded to host between steps on CUDA), rollout
-    corrections with the engine's log-probs, token-budget balanced micro-batches, asynchronous
-    rollouts, and a ``torch_dist`` checkpoint saved and resumed. Each arm must finish with finite
-    metrics; a failing arm is reported with its error and the others still run.
 
 Needs megatron-core and transformers, not Transformer Engine or SGLang: without TE the local
 layer spec is used (``--transformer-impl local``), whose unfused attention keeps
@@ -104,7 +105,7 @@ def trainer_resume_check(device: str, quick: bool, workdir: str) -> dict:
 
 
 def slice_memory_check(device: str, tokens: int, quick: bool, workdir: str) -> dict:
-    """(b): the 30B-shaped slice at ``tokens`` tokens; measured peak vs the memory plan."""
+    """(d): the 30B-shaped slice at ``tokens`` tokens; measured peak vs the memory plan."""
     from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
     from megatron_rl.model import ModelOptions, build_model, preset_config
@@ -186,6 +187,7 @@ FEATURE_ARMS: dict[str, dict] = {
         loss="gspo_token", rollout_correction="icepop", rollout_dtype="bfloat16"
     ),
     "dapo+token-budget+balance": dict(loss="dapo", max_tokens_per_gpu=64, balance_data=True),
+    "grpo+async-save": dict(ckpt_format="torch_dist", async_save=True),
     "cispo+async": dict(loss="cispo", async_rollout=True),
     "sapo": dict(loss="sapo"),
     "topr": dict(loss="topr"),
@@ -202,7 +204,7 @@ def _finite_metrics(metrics: dict) -> list[str]:
 
 
 def feature_matrix_check(device: str, quick: bool, workdir: str) -> dict:
-    """(c): each arm of ``FEATURE_ARMS`` trains 2 steps; the torch_dist arm resumes for a 3rd."""
+    """(b): each arm of ``FEATURE_ARMS`` trains 2 steps; the torch_dist arm resumes for a 3rd."""
     from megatron_rl.train.config import TrainConfig
     from megatron_rl.train.run import run
 
@@ -227,7 +229,7 @@ def feature_matrix_check(device: str, quick: bool, workdir: str) -> dict:
         start = time.perf_counter()
         try:
             metrics = run(config)
-            if extra.get("ckpt_format") == "torch_dist":
+            if extra.get("ckpt_format") == "torch_dist":  # resume the saved step for one more
                 metrics = run(dataclasses.replace(config, train_iters=3, load=config.save))
             bad = _finite_metrics(metrics)
             arms[name] = {"passed": not bad and bool(metrics), "non_finite": bad}
@@ -243,7 +245,7 @@ def feature_matrix_check(device: str, quick: bool, workdir: str) -> dict:
 
 
 def async_throughput_check(device: str, quick: bool, workdir: str) -> dict:
-    """(d): samples/s of the embedded default, sync vs ``--async-rollout``, interleaved pairs.
+    """(c): samples/s of the embedded default, sync vs ``--async-rollout``, interleaved pairs.
 
     A step's time is (time of a 13-step run - time of a 3-step run) / 10, so start-up (imports,
     model build, first sync) cancels; each repeat runs sync and async back to back.

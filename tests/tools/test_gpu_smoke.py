@@ -28,6 +28,11 @@ def test_gpu_smoke_rehearsal_resumes_exactly_runs_every_feature_arm_and_the_slic
     assert resume["passed"] and resume["max_abs_param_diff"] == 0.0
     assert resume["run_to_run_diff"] == 0.0  # the CPU is deterministic: the floor is exact
     assert features["passed"], features["arms"]
-    assert set(features["arms"]) >= {"vespo+r3+torch_dist", "epic+r2+kl", "cispo+async"}
+    assert set(features["arms"]) >= {
+        "vespo+r3+torch_dist",
+        "epic+r2+kl",
+        "cispo+async",
+        "grpo+async-save",
+    }
     assert throughput["sync_samples_per_s"][0] > 0 and throughput["async_samples_per_s"][0] > 0
     assert slice_["passed"] and slice_["finite"] and slice_["plan_gib"] > 0
