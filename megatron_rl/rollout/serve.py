@@ -20,6 +20,11 @@ stopped when PATH is removed (exit 0: the job ended) or when its content has not
 node's own clock on the file's content, never by comparing clocks across nodes; the timeout runs
 from the moment every server answers ``/health``, so a job that starts later has that long to
 write its first beat.
+
+Every ``--heartbeat-poll`` seconds the servers themselves are checked too: when one exits (a
+crash, an out-of-memory kill) the others are stopped and ``serve`` exits 2 naming it and its log,
+so the node's task fails (SLURM's ``--kill-on-bad-exit`` then ends the job) instead of serving
+on with a server missing.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_REMOVED = 0  # exit status: the training job removed its heartbeat (a clean end)
 HEARTBEAT_STALE = 1  # exit status: the heartbeat stopped changing (the job or its node is gone)
+SERVER_DIED = 2  # exit status: a server this process started exited on its own
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -153,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds without a change of --heartbeat-file before the servers are stopped",
     )
     parser.add_argument(
-        "--heartbeat-poll", type=float, default=5.0, help="seconds between heartbeat reads"
+        "--heartbeat-poll",
+        type=float,
+        default=5.0,
+        help="seconds between checks of the heartbeat and of the servers (a server that exits "
+        "stops the others: exit status 2)",
     )
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
@@ -166,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             f"--health-probe-timeout {args.health_probe_timeout}: must exceed the "
             f"{SGLANG_HEALTH_MIN_S} s SGLang's /health takes at least"
         )
-    if args.heartbeat_file and not (args.heartbeat_timeout > 0 and args.heartbeat_poll > 0):
-        parser.error("--heartbeat-timeout and --heartbeat-poll must be > 0")
+    if not args.heartbeat_poll > 0:
+        parser.error("--heartbeat-poll must be > 0")
+    if args.heartbeat_file and not args.heartbeat_timeout > 0:
+        parser.error("--heartbeat-timeout must be > 0")
     plan = _plan(args)
     if args.dry_run:
         for cmd, env, url, label in plan:
@@ -181,6 +193,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     return _serve(plan, args)
+
+
+def _dead_server(plan, processes, log_dir: str | None) -> tuple[int, str] | None:
+    """``(SERVER_DIED, reason)`` when a started server has exited, else None."""
+    for i, ((_, _, url, _), process) in enumerate(zip(plan, processes, strict=True)):
+        code = process.poll()
+        if code is not None:
+            log = f"; its log: {log_dir}/sglang_{i}.log" if log_dir else ""
+            return SERVER_DIED, f"server {i} ({url}) exited with status {code}{log}"
+    return None
 
 
 def _serve(plan, args) -> int:
@@ -200,12 +222,13 @@ def _serve(plan, args) -> int:
                 probe_timeout_s=args.health_probe_timeout,
             )
             print(f"{label} {url}", flush=True)  # noqa: T201
-        if not args.heartbeat_file:
-            stop.wait()
-            return 0
-        heartbeat = Heartbeat(args.heartbeat_file, args.heartbeat_timeout)
+        heartbeat = None
+        if args.heartbeat_file:
+            heartbeat = Heartbeat(args.heartbeat_file, args.heartbeat_timeout)
         while not stop.wait(args.heartbeat_poll):
-            gone = heartbeat.check()
+            gone = _dead_server(plan, processes, args.log_dir)
+            if gone is None and heartbeat is not None:
+                gone = heartbeat.check()
             if gone is not None:
                 status, reason = gone
                 logger.warning("stopping the servers: %s", reason)

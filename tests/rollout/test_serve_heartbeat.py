@@ -66,8 +66,30 @@ def _all_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
     return True
 
 
-def _serve_fake(tmp_path: Path, heartbeat: Path, timeout_s: float) -> tuple[int, list[int], float]:
-    """Run serve's own loop over one fake server; (exit status, its pids, seconds serving)."""
+DYING_SERVER = """
+import http.server, sys, threading, time, os
+port = int(sys.argv[1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+        threading.Timer(0.3, lambda: os._exit(3)).start()  # healthy once, then it crashes
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _serve_fake(
+    tmp_path: Path, heartbeat: Path | None, timeout_s: float, dying: bool = False
+) -> tuple[int, list[int], float]:
+    """Run serve's own loop over one fake server (and, ``dying``, a second one that crashes
+    after its health check); (exit status, the first server's pids, seconds serving)."""
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
     port, pid_file = _free_port(), tmp_path / "pids"
@@ -79,11 +101,22 @@ def _serve_fake(tmp_path: Path, heartbeat: Path, timeout_s: float) -> tuple[int,
             "URL",
         )
     ]
+    if dying:
+        crashing, other = tmp_path / "dying_server.py", _free_port()
+        crashing.write_text(DYING_SERVER)
+        plan.append(
+            (
+                [sys.executable, str(crashing), str(other)],
+                {"CUDA_VISIBLE_DEVICES": "1"},
+                f"http://127.0.0.1:{other}",
+                "URL",
+            )
+        )
     args = argparse.Namespace(
         log_dir=str(tmp_path),
         health_timeout=60.0,
         health_probe_timeout=DEFAULT_PROBE_TIMEOUT_S,
-        heartbeat_file=str(heartbeat),
+        heartbeat_file=None if heartbeat is None else str(heartbeat),
         heartbeat_timeout=timeout_s,
         heartbeat_poll=0.05,
     )
@@ -103,6 +136,18 @@ def test_servers_stop_when_the_heartbeat_goes_stale(tmp_path):
     assert status == serve.HEARTBEAT_STALE
     assert 0.5 < elapsed < 30.0
     assert _all_gone(pids)  # the server and its child (its process group)
+
+
+@pytest.mark.parametrize("with_heartbeat", [True, False])
+def test_a_server_that_dies_stops_the_others_and_serve_fails(tmp_path, with_heartbeat, caplog):
+    heartbeat = tmp_path / "job.alive" if with_heartbeat else None
+    if heartbeat is not None:
+        heartbeat.write_text("beat 0\n")  # a long lease: only the crash can end this
+    status, pids, elapsed = _serve_fake(tmp_path, heartbeat, timeout_s=600.0, dying=True)
+    assert status == serve.SERVER_DIED
+    assert elapsed < 30.0
+    assert "server 1 (http://127.0.0.1:" in caplog.text and "exited with status 3" in caplog.text
+    assert _all_gone(pids)  # the healthy server (and its child) was stopped too
 
 
 def test_beats_keep_the_servers_up_and_removal_stops_them_cleanly(tmp_path):
