@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 from transformers import Qwen3MoeConfig
 
+from megatron_rl.model.memory import megatron_stage_layers
 from megatron_rl.moe_layers import moe_layer_pattern
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,6 +99,18 @@ def to_transformer_config(
         )
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if pp > 1:  # megatron's schedule: stages exchange [s, b, h] activations of varying shapes
+        try:  # megatron asserts deep in its layer builder; say which flags to change instead
+            megatron_stage_layers(
+                hf_config.num_hidden_layers,
+                pp,
+                options.first_stage_layers,
+                options.last_stage_layers,
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"pipeline parallel size {pp}: {error}; choose --pipeline-model-parallel-size "
+                "or --decoder-first/last-pipeline-num-layers so that the layers split"
+            ) from error
         extra.update(
             pipeline_dtype=dtype,
             variable_seq_lengths=True,

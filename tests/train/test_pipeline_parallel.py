@@ -133,3 +133,26 @@ def test_uneven_stage_sizes_are_checked_before_anything_is_built():
         TrainConfig(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=0)
     with pytest.raises(ValueError, match="needs --pipeline-model-parallel-size > 1"):
         TrainConfig(decoder_last_pipeline_num_layers=1)
+
+
+@pytest.mark.parametrize(
+    ("pp", "first", "last", "match"),
+    [
+        (3, None, None, "do not split evenly over the 3 other pipeline stages"),
+        (2, 1, 2, r"first 1 \+ last 2 layers != num_hidden_layers=4"),
+    ],
+)
+def test_a_layer_split_megatron_would_refuse_names_the_flags(
+    ws1, monkeypatch, pp, first, last, match
+):
+    """Without this check megatron asserts deep in its layer builder, naming no flag."""
+    from megatron.core import parallel_state
+
+    from megatron_rl.model import ModelOptions, preset_config
+    from megatron_rl.model.config import to_transformer_config
+
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: pp)
+    options = ModelOptions(spec="local", first_stage_layers=first, last_stage_layers=last)
+    with pytest.raises(ValueError, match=match) as error:
+        to_transformer_config(preset_config("tiny", num_hidden_layers=4), options, use_te=False)
+    assert "--decoder-first/last-pipeline-num-layers" in str(error.value)
