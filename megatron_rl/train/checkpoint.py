@@ -31,8 +31,8 @@ a folder without it is ``torch``):
   layout only (a different one is a named error).
 * ``torch_dist``: model and optimizer through megatron's ``dist_checkpointing``
   (`megatron_rl.train.dist_checkpoint`: ``*.distcp``, ``.metadata``, ``common.pt``,
-  ``metadata.json``), plus ``rl_state.json`` and ``rng_rank*.pt``. Resumed at any TP/EP/DP
-  layout (pipeline parallelism is not supported by the trainer yet). The same staging folder,
+  ``metadata.json``), plus ``rl_state.json`` and ``rng_rank*.pt``. Resumed at any TP/EP/PP/DP
+  layout (PP 2 <-> PP 1 tested). The same staging folder,
   sha256 records (every rank hashes and verifies a share of the files), rename and ``latest``
   make it atomic.
 
@@ -77,7 +77,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: checkpoint.json lists every file with its size and sha256
 TORCH_FORMAT = "torch"  # per-rank torch.save files: resumes at the saved layout only
-DIST_FORMAT = DIST_CHECKPOINT_FORMAT  # megatron dist_checkpointing: resumes at any TP/EP/DP layout
+DIST_FORMAT = DIST_CHECKPOINT_FORMAT  # megatron dist_checkpointing: resumes at another layout
 CKPT_FORMATS = (TORCH_FORMAT, DIST_FORMAT)
 LATEST_FILE = "latest"
 META_FILE = "checkpoint.json"
@@ -396,7 +396,7 @@ def load_training_state(
 
 
 def _load_dist(folder: str, meta: dict, step: int, *, model, optimizer) -> dict:
-    """Load a ``torch_dist`` step folder at this job's layout (any TP/EP/DP layout)."""
+    """Load a ``torch_dist`` step folder at this job's layout (any TP/EP/PP/DP layout)."""
     rank, _ = rank_and_world_size()
     saved_layout = meta["layout"]
     same_layout = _layout_difference(saved_layout, _layout(), folder) is None

@@ -119,7 +119,7 @@ class TrainConfig:
     save: str | None = None
     load: str | None = None
     load_fallback: bool = False  # a corrupted checkpoint: load the newest older one that verifies
-    ckpt_format: str = "torch"  # "torch_dist": reshardable (resume at another TP/EP/DP layout)
+    ckpt_format: str = "torch"  # "torch_dist": reshardable (resume at another TP/EP/PP/DP layout)
     save_interval: int = 0
     async_save: bool = False  # torch_dist: write in the background, commit when it finishes
     wandb_project: str | None = None
@@ -659,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ckpt-format",
         choices=("torch", "torch_dist"),
         help="checkpoint format of --save: torch (per-rank files, resume at the same layout) or "
-        "torch_dist (megatron dist_checkpointing: resume at another TP/EP/DP layout); --load "
+        "torch_dist (megatron dist_checkpointing: resume at another TP/EP/PP/DP layout); --load "
         "reads either",
     )
     add(

@@ -40,21 +40,9 @@ WEIGHT_ATOL = 2e-6  # weights of two layouts after 3 Adam steps of lr 3e-3 (as t
 
 def _hf_worker(rank, world_size, init_method, tmp_dir) -> None:
     """The shared starting point: a 4-layer HF checkpoint in ``tmp_dir/hf``."""
-    from trainer_testing import small_config
+    from pipeline_testing import write_four_layer_checkpoint
 
-    from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
-    from megatron_rl.model import ModelOptions, build_model, preset_config
-    from megatron_rl.model.conversion import save_checkpoint
-    from megatron_rl.train.trainer import Trainer
-
-    tmp = Path(tmp_dir)
-    trainer = Trainer(small_config(tmp / "sizing"), rank=0, world_size=1, init_method=init_method)
-    vocab = trainer.hf_config.vocab_size  # the tiny preset sized to the task's tokenizer
-    trainer.close()
-    config = preset_config("tiny", num_hidden_layers=4, vocab_size=vocab)
-    init_distributed(ParallelConfig(), init_method=f"{init_method}_build", device="cpu")
-    save_checkpoint(build_model(config, ModelOptions(spec="local")), config, tmp / "hf")
-    destroy_distributed()
+    write_four_layer_checkpoint(Path(tmp_dir), init_method)
 
 
 def _full_state(trainer) -> dict[str, dict[str, torch.Tensor]]:

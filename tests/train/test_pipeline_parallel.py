@@ -22,21 +22,13 @@ def _prepare_worker(rank, world_size, init_method, tmp_dir) -> None:
     """The shared starting point: a 4-layer HF checkpoint and one rollout of it with routes."""
     from pathlib import Path
 
+    from pipeline_testing import write_four_layer_checkpoint
     from trainer_testing import small_config
 
-    from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
-    from megatron_rl.model import ModelOptions, build_model, preset_config
-    from megatron_rl.model.conversion import save_checkpoint
     from megatron_rl.train.trainer import Trainer
 
     tmp = Path(tmp_dir)
-    trainer = Trainer(small_config(tmp / "sizing"), rank=0, world_size=1, init_method=init_method)
-    vocab = trainer.hf_config.vocab_size  # the tiny preset sized to the task's tokenizer
-    trainer.close()
-    config = preset_config("tiny", num_hidden_layers=4, vocab_size=vocab)
-    init_distributed(ParallelConfig(), init_method=f"{init_method}_build", device="cpu")
-    save_checkpoint(build_model(config, ModelOptions(spec="local")), config, tmp / "hf")
-    destroy_distributed()
+    write_four_layer_checkpoint(tmp, init_method)
     rollout = small_config(tmp / "rollout", model=str(tmp / "hf"), routing_replay="r3", **OVERRIDES)
     trainer = Trainer(rollout, rank=0, world_size=1, init_method=f"{init_method}_rollout")
     try:
