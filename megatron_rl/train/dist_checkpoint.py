@@ -235,9 +235,24 @@ class BackgroundWrite:
         return self._queue.get_num_unfinalized_calls() == 0
 
     def abandon(self) -> None:
-        """Local (no collective): wait for this rank's writer process; finalize nothing."""
+        """Local (no collective): wait for this rank's writer process; finalize nothing.
+
+        The writer left its results in megatron's process-wide results queue, which the next
+        save of this process (synchronous ones too) reads as its own: they are drained, or that
+        save's metadata would describe the abandoned write's files (a corrupted checkpoint).
+        """
         while self._queue.async_calls:
             self._queue.async_calls.popleft().async_caller.close()
+        _drain_write_results()
+
+
+def _drain_write_results() -> None:
+    """Empty megatron-core 0.16.1's module-level write-results queue (``filesystem_async``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    while queue is not None and not queue.empty():
+        queue.get_nowait()
 
 
 def load_sharded(folder: str, model, optimizer) -> None:

@@ -181,7 +181,7 @@ def test_a_new_save_commits_the_pending_one_and_an_abandoned_one_commits_nothing
 ):
     """Never two writes in flight; the error path (no collective) waits for the writer and
     leaves the previous step as latest."""
-    from train_state_testing import build_tiny
+    from train_state_testing import build_tiny, train_steps
 
     from megatron_rl.train.checkpoint import save_training_state, start_async_save
 
@@ -197,5 +197,25 @@ def test_a_new_save_commits_the_pending_one_and_an_abandoned_one_commits_nothing
     assert pending_save() is None
     assert latest_step(save_dir) == 2
     assert any(n.endswith(".distcp") for n in os.listdir(tmp_path / "ckpt" / ".tmp_step_00000003"))
-    save_training_state(save_dir, 4, rl_state={}, fmt="torch_dist", **state)  # removes it
-    assert sorted(os.listdir(save_dir)) == ["latest", STEP2, "step_00000004"]
+    # the next save, of another layout (megatron's plain optimizer), must not take the abandoned
+    # writer's results for its own: its metadata would describe the wrong files
+    from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_rl.model import build_model, preset_config
+    from megatron_rl.train.checkpoint import load_training_state
+
+    def plain(seed: int) -> dict:
+        torch.manual_seed(seed)
+        model = wrap_for_training(build_model(tiny), use_distributed_optimizer=False)
+        config = OptimizerConfig(lr=3e-3, use_distributed_optimizer=False)
+        return {"model": model, "optimizer": build_optimizer(model, config)}
+
+    tiny = preset_config("tiny")
+    other = plain(1)
+    train_steps(other["model"], other["optimizer"], tiny.vocab_size, 1)  # Adam state to save
+    save_training_state(save_dir, 4, rl_state={"step": 4}, fmt="torch_dist", **other)
+    assert sorted(os.listdir(save_dir)) == ["latest", STEP2, "step_00000004"]  # 3 removed
+    loaded = plain(2)
+    assert load_training_state(save_dir, **loaded) == {"step": 4}
+    for name, tensor in other["model"].state_dict().items():
+        if torch.is_tensor(tensor):
+            assert torch.equal(loaded["model"].state_dict()[name], tensor), name
