@@ -255,17 +255,19 @@ def feature_matrix_check(device: str, quick: bool, workdir: str) -> dict:
 def async_throughput_check(device: str, quick: bool, workdir: str) -> dict:
     """(c): samples/s of the embedded default, sync vs ``--async-rollout``, interleaved pairs.
 
-    A step's time is (time of a 13-step run - time of a 3-step run) / 10, so start-up (imports,
-    model build, first sync) cancels; each repeat runs sync and async back to back.
+    A run's step time is the median of its own ``time/step`` metric over every step but the
+    first (start-up, and the async run's foreground first rollout, left out); each repeat runs
+    sync and async back to back, in alternating order.
     """
     from megatron_rl.train.config import TrainConfig
     from megatron_rl.train.run import run
+    from megatron_rl.train.run_logger import METRICS_FILE
 
-    short, long = (1, 3) if quick else (3, 13)
+    iters = 3 if quick else 13
     repeats = 1 if quick else 2
 
-    def seconds(name: str, iters: int, asynchronous: bool) -> float:
-        folder = os.path.join(workdir, f"tp_{name}_{iters}")
+    def step_seconds(name: str, asynchronous: bool) -> float:
+        folder = os.path.join(workdir, f"tp_{name}")
         config = TrainConfig(
             device=device,
             transformer_impl="local",
@@ -275,19 +277,17 @@ def async_throughput_check(device: str, quick: bool, workdir: str) -> dict:
             run_dir=folder,
             progress=False,
         )
-        start = time.perf_counter()
         run(config)
-        return time.perf_counter() - start
+        with open(os.path.join(folder, METRICS_FILE), encoding="utf-8") as handle:
+            steps = [json.loads(line)["time/step"] for line in handle if line.strip()]
+        later = sorted(steps[1:])
+        return later[len(later) // 2]
 
     samples = TrainConfig().rollout_batch_size * TrainConfig().n_samples_per_prompt
     rates: dict[str, list[float]] = {"sync": [], "async": []}
     for repeat in range(repeats):
         for arm in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):
-            name = f"{arm}{repeat}"
-            step = (seconds(name, long, arm == "async") - seconds(name, short, arm == "async")) / (
-                long - short
-            )
-            rates[arm].append(samples / step)
+            rates[arm].append(samples / step_seconds(f"{arm}{repeat}", arm == "async"))
     ratios = [a / s for a, s in zip(rates["async"], rates["sync"], strict=True)]
     return {
         "check": "embedded default: samples/s async vs sync (interleaved)",

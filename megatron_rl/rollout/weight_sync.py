@@ -409,9 +409,7 @@ class WeightSync:
         if staging is None or staging.numel() < need or staging.device != device:
             self._staging[index] = None
             if shared and device.type == "cpu":
-                with _file_system_sharing():
-                    storage = torch.UntypedStorage._new_shared(need)
-                staging = torch.empty(0, dtype=torch.uint8).set_(storage)
+                staging = torch.empty(0, dtype=torch.uint8).set_(new_shared_storage(need))
             else:
                 staging = torch.empty(need, dtype=torch.uint8, device=device)
             if need <= self.config.bucket_bytes:  # a one-off larger buffer is not kept
@@ -695,6 +693,31 @@ def _file_system_sharing():
         yield
     finally:
         tmp.set_sharing_strategy(before)
+
+
+SHM_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+SHM_ATTEMPTS = 3
+
+
+def new_shared_storage(nbytes: int, *, pause_s: float = 0.5) -> torch.UntypedStorage:
+    """A shared-memory file storage of ``nbytes`` ("file_system" strategy).
+
+    torch registers each such file with its ``torch_shm_manager`` process over a socket with a
+    timeout; on a loaded host the manager can miss it ("Shared memory manager connection has
+    timed out", seen once in CI with 2 busy cores). That error is retried (``SHM_ATTEMPTS`` in
+    all, ``pause_s`` then twice that between them); any other error, or the last attempt's, is
+    raised.
+    """
+    for attempt in range(SHM_ATTEMPTS):
+        try:
+            with _file_system_sharing():
+                return torch.UntypedStorage._new_shared(nbytes)
+        except RuntimeError as error:
+            if SHM_MANAGER_TIMEOUT not in str(error) or attempt == SHM_ATTEMPTS - 1:
+                raise
+            logger.warning("torch's shared-memory manager timed out; retrying (%s)", attempt + 1)
+            time.sleep(pause_s * 2**attempt)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _serialize_shared(obj) -> str:
