@@ -67,14 +67,9 @@ class ReplayPasses:
         self._sample_route_bytes = 0  # R3: bytes of the engine's routes of this step's samples
 
     def behaviour(self, key: Hashable, batch: RoutedMicroBatch) -> ContextManager[None]:
-        """Around the old-logprob forward of micro-batch ``key``: R2 records, R3 replays.
-
-        R3: the engine's routes of the batch are counted in ``routing/bytes_per_rank`` (they are
-        held from the rollout to the step's last update)."""
+        """Around the old-logprob forward of micro-batch ``key``: R2 records, R3 replays."""
         if self.mode == "r2":
             return self.driver.record(key)
-        if self.mode == "r3":
-            self._sample_route_bytes += sum(blob.nbytes for blob in batch.routes if blob)
         return self._replay(key, batch, "behaviour")
 
     def update(self, key: Hashable, batch: RoutedMicroBatch) -> ContextManager[None]:
@@ -84,11 +79,19 @@ class ReplayPasses:
     def _replay(self, key: Hashable, batch: RoutedMicroBatch, phase: str) -> ContextManager[None]:
         if self.mode == "off":
             return contextlib.nullcontext()
+        routes, counted = self._targets(key, batch, phase)
+        return self.driver.replay(routes=routes, phase=phase, counted_rows=counted)
+
+    def _targets(self, key: Hashable, batch: RoutedMicroBatch, phase: str):
+        """``(routes per local MoE layer, counted rows)`` to replay into micro-batch ``key``:
+        R2's recording, or R3's engine routes (whose bytes the behaviour pass counts in
+        ``routing/bytes_per_rank``: they are held from the rollout to the step's last update)."""
         counted = self._counted_rows(batch)
         if self.mode == "r2":
-            return self.driver.replay(key=key, phase=phase, counted_rows=counted)
-        routes = self._engine_routes(batch)
-        return self.driver.replay(routes=routes, phase=phase, counted_rows=counted)
+            return self.driver.recorded_routes(key), counted
+        if phase == "behaviour":
+            self._sample_route_bytes += sum(blob.nbytes for blob in batch.routes if blob)
+        return self._engine_routes(batch), counted
 
     def _counted_rows(self, batch: RoutedMicroBatch) -> torch.Tensor:
         """This rank's router rows whose agreement means something: real tokens, and under R3
@@ -136,13 +139,7 @@ class ReplayPasses:
             self.driver.finish_pass(succeeded)
 
     def _push(self, key: Hashable, batch: RoutedMicroBatch, phase: str) -> None:
-        counted = self._counted_rows(batch)
-        if self.mode == "r2":
-            self.driver.push(self.driver.recorded_routes(key), counted)
-            return
-        if phase == "behaviour":
-            self._sample_route_bytes += sum(blob.nbytes for blob in batch.routes if blob)
-        self.driver.push(self._engine_routes(batch), counted)
+        self.driver.push(*self._targets(key, batch, phase))
 
     def _engine_routes(self, batch: RoutedMicroBatch) -> list[torch.Tensor]:
         if any(blob is None for blob in batch.routes):

@@ -179,10 +179,8 @@ class Trainer:
     def rollout(self) -> tuple[list[TrainSample], dict[str, float]]:
         """This data-parallel rank's samples of the next prompt batch, and rollout metrics."""
         mine = self._draw_prompts()
-        payload = [self._generate(mine, self.step_index) if self.is_generator else None]
-        if self.mp_group.size() > 1:
-            dist.broadcast_object_list(payload, src=self.mp_src, group=self.mp_group)
-        return payload[0]
+        result = self._generate(mine, self.step_index) if self.is_generator else None
+        return broadcast_object(result, src=self.mp_src, group=self.mp_group)
 
     def _draw_prompts(self) -> list[int]:
         """This data-parallel rank's share of the next ``rollout_batch_size`` prompts."""
@@ -232,10 +230,7 @@ class Trainer:
                     behind,
                     state.max_staleness,
                 )
-        payload = [state.result]
-        if self.mp_group.size() > 1:
-            dist.broadcast_object_list(payload, src=self.mp_src, group=self.mp_group)
-        samples, metrics = payload[0]
+        samples, metrics = broadcast_object(state.result, src=self.mp_src, group=self.mp_group)
         prompts, before = state.indices, state.sampler_before
         state.indices = state.sampler_before = state.result = None
         if should_stop is not None and should_stop():
@@ -275,11 +270,8 @@ class Trainer:
             "async/overlap_fraction": overlapped / generation if generation > 0 else 0.0,
             "time/engine_idle": max(0.0, metrics["time/step"] - generation),
         }
-        if self.mp_group.size() > 1:  # the generator rank's view on every rank
-            shared = [timing]
-            dist.broadcast_object_list(shared, src=self.mp_src, group=self.mp_group)
-            timing = shared[0]
-        metrics.update(timing)
+        # the generator rank's view on every rank
+        metrics.update(broadcast_object(timing, src=self.mp_src, group=self.mp_group))
         # waiting for the rollout: the foreground fetch at the start, the join at the end
         metrics["time/trainer_idle"] = metrics["time/rollout"] + joining
         metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
@@ -496,10 +488,8 @@ class Trainer:
         # numbers on every rank, so every rank reports the same metric keys
         self.sync_metrics: dict[str, float] = {}
         if self.config.rollout_engine == "sglang":
-            payload = [getattr(self.engine, "membership_metrics", dict)() if pushes else None]
-            if dist.get_world_size() > 1:
-                dist.broadcast_object_list(payload, src=0)
-            self.sync_metrics = dict(payload[0] or {})
+            membership = getattr(self.engine, "membership_metrics", dict)() if pushes else None
+            self.sync_metrics = dict(broadcast_object(membership, src=0) or {})
 
     def state_dict(self) -> dict:
         return {

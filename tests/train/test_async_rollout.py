@@ -221,22 +221,10 @@ def test_async_rollouts_through_the_sglang_http_client(tmp_path):
 def test_async_rollouts_with_two_tensor_parallel_ranks(tmp_path):
     """The generator rank generates in the background; its tensor-parallel peer receives the
     batch and the generation timings by broadcast."""
-    import torch.multiprocessing as mp
-    from test_trainer_e2e import _two_rank_worker
+    from test_trainer_e2e import run_two_ranks
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     overrides = {"async_rollout": True, "tensor_model_parallel_size": 2, "train_iters": 3}
-    procs = [
-        ctx.Process(target=_two_rank_worker, args=(r, str(tmp_path), overrides, queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    results = run_two_ranks(tmp_path, overrides)
     assert results[0] == results[1]
     assert results[0]["async/staleness_mean"] == 1.0
     assert "async/overlap_fraction" in results[0] and "time/trainer_idle" in results[0]

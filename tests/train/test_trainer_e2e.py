@@ -170,6 +170,25 @@ def test_a_reward_function_that_raises_fails_its_samples_not_the_run(tmp_path, m
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
 
 
+def run_two_ranks(tmp_path, overrides: dict) -> dict[int, dict]:
+    """Run `_two_rank_worker` on two spawned ranks; {rank: its last metrics}."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_two_rank_worker, args=(r, str(tmp_path), overrides, queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    return results
+
+
 def _two_rank_worker(rank, tmp, overrides, queue):
     import torch
 
@@ -193,20 +212,7 @@ def _two_rank_worker(rank, tmp, overrides, queue):
     ids=["dp2", "ep2_r3"],
 )
 def test_two_gloo_ranks_train_together(tmp_path, overrides):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_two_rank_worker, args=(r, str(tmp_path), overrides, queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    results = run_two_ranks(tmp_path, overrides)
     assert results[0] == results[1]  # metrics are averaged over ranks: every rank reports them
     assert results[0]["grad_norm"] > 0
     assert [r["step"] for r in _metrics(tmp_path)] == [1, 2]
