@@ -159,6 +159,7 @@ class HttpPool:
         self._down_until = dict.fromkeys(config.urls, 0.0)
         self._in_flight = dict.fromkeys(config.urls, 0)
         self._dropped: dict[str, str] = {}  # url -> why (out of the pool until `admit`)
+        self._info_paths: dict[str, tuple[str, ...]] = {}  # url -> its model-info route
         self._lock = threading.Lock()
         self.retries = 0  # requests re-sent after a failure (for metrics and tests)
 
@@ -179,6 +180,57 @@ class HttpPool:
         with self._lock:
             self._down_until[url] = 0.0 if status == 200 else time.monotonic() + self.config.down_s
         return status == 200
+
+    def alive(self, url: str) -> bool:
+        """Whether ``url`` answers `model_info` within ``health_timeout_s``: a liveness check
+        that, unlike SGLang's ``/health``, answers while generation is paused (SGLang 0.5.23's
+        ``/health`` waits on the tokenizer manager's pause and answers 503 after 20 s).
+        Does not mark the server up or down."""
+        try:
+            self.model_info(url, timeout_s=self.config.health_timeout_s)
+        except RuntimeError:
+            return False
+        return True
+
+    def alive_all(self, urls: Sequence[str]) -> list[str]:
+        """`alive` on every url at once; the live ones, in order."""
+        urls = list(urls)
+        if not urls:
+            return []
+        with ThreadPoolExecutor(max_workers=len(urls)) as threads:
+            ok = list(threads.map(self.alive, urls))
+        return [u for u, up in zip(urls, ok, strict=True) if up]
+
+    def model_info(self, url: str, *, timeout_s: float | None = None) -> dict:
+        """``GET /model_info`` (SGLang >= 0.5.x; ``/get_model_info`` is its deprecated alias,
+        used where ``/model_info`` answers 404, as on older releases); the decoded answer.
+
+        The route that worked is remembered per server. RuntimeError when neither answers."""
+        paths = self._info_paths.get(url) or ("/model_info", "/get_model_info")
+        last: Exception | None = None
+        for path in paths:
+            try:
+                answer = self.call_on(url, "GET", path, None, timeout_s=timeout_s)
+            except ServerError as err:
+                if "HTTP 404" not in str(err):
+                    raise
+                last = err
+                continue
+            self._info_paths[url] = (path,)
+            return answer if isinstance(answer, dict) else {}
+        raise ServerError(f"{url}: neither /model_info nor /get_model_info is served ({last})")
+
+    def server_info(self, url: str, *, timeout_s: float | None = None) -> dict:
+        """``GET /server_info`` (``/get_server_info`` where that answers 404); the answer."""
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                answer = self.call_on(url, "GET", path, None, timeout_s=timeout_s)
+            except ServerError as err:
+                if "HTTP 404" not in str(err) or path == "/get_server_info":
+                    raise
+                continue
+            return answer if isinstance(answer, dict) else {}
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def probe_all(self, urls: Sequence[str] | None = None) -> list[str]:
         """`probe` every url at once (each takes >= 1 s on SGLang); the healthy ones, in order."""

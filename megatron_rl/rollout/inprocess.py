@@ -118,6 +118,14 @@ class InProcessEngine:
     def health(self) -> EngineHealth:
         return EngineHealth(healthy=True, weight_version=self._version, detail="in-process")
 
+    def wait_until_ready(self) -> float:
+        """Ready at once (in-process); 0 seconds waited."""
+        return 0.0
+
+    def take_aborted(self) -> int:
+        """0: the in-process engine never aborts a sample."""
+        return 0
+
     def flush_cache(self) -> None:
         """No-op: KV caches live for one `generate` call; there is no cross-call prefix cache."""
 

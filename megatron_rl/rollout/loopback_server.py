@@ -72,6 +72,10 @@ class LoopbackServer:
         self.before_request: Callable[[str, object], str | None] | None = None
         self.stall_s = 30.0
         self.health_delay_s = 1.0  # SGLang's /health sleeps 1 s after starting its generation
+        self.health_check_timeout_s = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT: 503 after this
+        self.sessions = True  # False: an SGLang release before /begin_weight_update (404)
+        self.tp_size = 1  # what /server_info reports
+        self._session_open = False
         self.aborts: list[dict] = []  # /abort_request payloads, in order (tests inspect them)
         self._running: dict[int, str | None] = {}  # /generate in progress: id -> rid
         self._aborted: set[int] = set()
@@ -109,7 +113,11 @@ class LoopbackServer:
         routes = {
             "/health": self._health,
             "/health_generate": self._health,
+            "/model_info": lambda p: (200, self._model_info()),
             "/get_model_info": lambda p: (200, self._model_info()),
+            "/server_info": lambda p: (200, {"tp_size": self.tp_size, "version": "loopback"}),
+            "/begin_weight_update": self._begin_session,
+            "/end_weight_update": self._end_session,
             "/flush_cache": self._flush,
             "/abort_request": self._abort,
             "/pause_generation": lambda p: (200, self._pause(paused=True)),
@@ -123,6 +131,8 @@ class LoopbackServer:
             "/update_weight_version": self._update_version,
             "/weights_checksum": lambda p: (200, self.engine.checksums(p["names"])),
         }
+        if not self.sessions:  # an SGLang release before weight-update sessions
+            del routes["/begin_weight_update"], routes["/end_weight_update"]
         if path not in routes:
             return 404, {"error": f"unknown endpoint {path}"}
         return routes[path](payload)
@@ -135,6 +145,10 @@ class LoopbackServer:
         }
 
     def _health(self, payload: dict) -> tuple[int, object]:
+        # SGLang 0.5.23: the health generation waits behind a pause; after
+        # SGLANG_HEALTH_CHECK_TIMEOUT (20 s) the handler answers 503
+        if not self._resume.wait(timeout=self.health_check_timeout_s):
+            return 503, None
         try:  # SGLang: GenerateReqInput(input_ids=[0], max_new_tokens=1, temperature=0)
             greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
             self.engine.generate_one([0], greedy, sample_seed=None)
@@ -266,6 +280,30 @@ class LoopbackServer:
         if version is not None:
             self.engine.set_version(int(version))
 
+    def _begin_session(self, payload: dict) -> tuple[int, object]:
+        # SchedulerWeightUpdater.begin_weight_update (srt/managers/scheduler_components/
+        # weight_updater.py): a second begin is refused; http_server answers 400
+        if self._session_open:
+            message = "a weight-update session is already open; call end_weight_update() first"
+            return 400, {"success": False, "message": message}
+        self._session_open = True
+        return 200, {"success": True, "message": "Success"}
+
+    def _end_session(self, payload: dict) -> tuple[int, object]:
+        if not self._session_open:
+            message = "no weight-update session is open; call begin_weight_update() first"
+            return 400, {"success": False, "message": message}
+        self._session_open = False
+        return 200, {"success": True, "message": "Success"}
+
+    def _refused_outside_session(self, what: str) -> tuple[int, object] | None:
+        """SGLang 0.5.23 refuses tensor and distributed updates outside a session (HTTP 400,
+        ``success: false``; `_begin_session` cites where); servers without sessions do not."""
+        if not self.sessions or self._session_open:
+            return None
+        message = f"{what} must run between begin_weight_update() and end_weight_update()"
+        return 400, {"success": False, "message": message}
+
     def _update_version(self, payload: dict) -> tuple[int, object]:
         if payload.get("abort_all_requests"):
             self._abort({"abort_all": True})
@@ -292,6 +330,8 @@ class LoopbackServer:
         return 200, {"success": True, "message": f"loaded {count} tensors"}
 
     def _from_tensor(self, payload: dict) -> tuple[int, object]:
+        if refused := self._refused_outside_session("update_weights_from_tensor"):
+            return refused
         # As SGLang's TP rank 0: its own entry, ``MultiprocessingSerializer.deserialize``
         # (base64, then an unpickler that admits only tensor and plain-data globals).
         try:
@@ -331,6 +371,8 @@ class LoopbackServer:
         return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def _from_distributed(self, payload: dict) -> tuple[int, object]:
+        if refused := self._refused_outside_session("update_weights_from_distributed"):
+            return refused
         group = self.weight_groups.get(payload["group_name"])
         if group is None:
             return 200, {"success": False, "message": f"no group {payload['group_name']!r}"}
@@ -456,6 +498,10 @@ class _SafeUnpickler(pickle.Unpickler):
     )
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            # SGLang's patch_torch maps the handle's GPU UUID to a visible device and raises
+            # this when there is none; this server sees no GPU at all
+            raise RuntimeError("Invalid device_uuid=GPU-(not visible to this server)")
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")

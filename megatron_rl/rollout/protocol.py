@@ -38,6 +38,14 @@ class RolloutEngine(Protocol):
 
     def flush_cache(self) -> None: ...
 
+    def wait_until_ready(self) -> float:
+        """Block until the engine can serve (servers up); the seconds waited."""
+        ...
+
+    def take_aborted(self) -> int:
+        """Samples aborted by the engine (and generated again) since the last call."""
+        ...
+
     def health(self) -> EngineHealth: ...
 
     @property

@@ -31,9 +31,13 @@ with a RuntimeError instead of replaying wrong routes. See `sglang_payload` for 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import socket
 import threading
+import time
+import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -43,7 +47,12 @@ import torch
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, check_url
 from megatron_rl.rollout.protocol import check_generate_args
-from megatron_rl.rollout.sglang_payload import decode_generate, generate_request, parse_version
+from megatron_rl.rollout.sglang_payload import (
+    decode_generate,
+    finish_reason,
+    generate_request,
+    parse_version,
+)
 from megatron_rl.rollout.types import EngineHealth, RolloutSample, SamplingParams
 from megatron_rl.rollout.weight_sync import SyncReport, WeightSync, WeightSyncConfig
 from megatron_rl.routing import CODECS, RoutingCodec
@@ -74,6 +83,8 @@ class SGLangEngineConfig:
     router_url: str | None = None
     routing_codec: str = "auto"
     max_in_flight: int = 64
+    max_abort_retries: int = 8
+    startup_timeout_s: float = 3600.0
     sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
     min_servers: int = 1
 
@@ -88,6 +99,15 @@ class SGLangEngineConfig:
         if self.routing_codec not in CODECS:
             raise ValueError(
                 f"SGLangEngineConfig.routing_codec={self.routing_codec!r}: choose one of {CODECS}"
+            )
+        if not isinstance(self.max_abort_retries, int) or self.max_abort_retries < 0:
+            raise ValueError(
+                f"SGLangEngineConfig.max_abort_retries={self.max_abort_retries!r}: must be an "
+                "int >= 0"
+            )
+        if not self.startup_timeout_s > 0:
+            raise ValueError(
+                f"SGLangEngineConfig.startup_timeout_s={self.startup_timeout_s!r}: must be > 0"
             )
         if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
             raise ValueError(
@@ -138,6 +158,8 @@ class SGLangEngine:
         )
         self._threads = ThreadPoolExecutor(max_workers=config.max_in_flight)
         self._version = 0
+        self._aborted = 0  # samples aborted by a server and generated again (`take_aborted`)
+        self._lock = threading.Lock()
         self.last_sync: SyncReport | None = None
 
     def __enter__(self) -> SGLangEngine:
@@ -210,20 +232,92 @@ class SGLangEngine:
                 rid=f"{batch}-{i}-{j}-{next(attempt)}",
             )
 
-        body = self.pool.post(
-            "/generate",
-            payload,
-            what=f"sample (prompt {i}, sample {j})",
-            on_timeout=self._abort_timed_out,
+        # sglang-router 0.3.2 drops return_routed_experts from the body it forwards (its
+        # request type has no such field): R3 generation goes to the workers directly
+        pool = self.workers if routes else self.pool
+        what = f"sample (prompt {i}, sample {j})"
+        for _ in range(self.config.max_abort_retries + 1):
+            body = pool.post("/generate", payload, what=what, on_timeout=self._abort_timed_out)
+            reason = finish_reason(body)
+            if reason.get("type") != "abort":
+                return decode_generate(
+                    body,
+                    prompt=prompt,
+                    prompt_index=i,
+                    sample_index=j,
+                    codec=self.codec if routes else None,
+                    layer_pattern=self.config.layer_pattern,
+                )
+            with self._lock:
+                self._aborted += 1
+            logger.warning("%s was aborted by the server (%s); generating it again", what, reason)
+        raise RuntimeError(
+            f"{what} was aborted {self.config.max_abort_retries + 1} times in a row (last: "
+            f"{reason}); raise SGLangEngineConfig.max_abort_retries or see the server log"
         )
-        return decode_generate(
-            body,
-            prompt=prompt,
-            prompt_index=i,
-            sample_index=j,
-            codec=self.codec if routes else None,
-            layer_pattern=self.config.layer_pattern,
-        )
+
+    def take_aborted(self) -> int:
+        """Samples the servers aborted (and that were generated again) since the last call."""
+        with self._lock:
+            count, self._aborted = self._aborted, 0
+        return count
+
+    def wait_until_ready(self, *, poll_s: float = 2.0, progress_s: float = 30.0) -> float:
+        """Wait until every worker (and the router) answers ``/health``; the seconds waited.
+
+        SGLang listens only once its model is loaded (minutes for a 235B checkpoint), so a
+        trainer started beside its servers would otherwise fail its first sync with "connection
+        refused". Logs a progress line every ``progress_s`` seconds; RuntimeError naming the
+        servers still down after ``startup_timeout_s`` (``--sglang-startup-timeout``). Then
+        checks each worker's TP size (`check_servers`).
+        """
+        start = time.monotonic()
+        waiting = list(self.config.http.urls)
+        if self.config.router_url is not None:
+            waiting.append(self.config.router_url)
+        last_log = start
+        while waiting:
+            pools = [self.pool if u == self.config.router_url else self.workers for u in waiting]
+            waiting = [u for u, pool in zip(waiting, pools, strict=True) if not pool.probe(u)]
+            now = time.monotonic()
+            if not waiting:
+                break
+            if now - start > self.config.startup_timeout_s:
+                raise RuntimeError(
+                    f"SGLang servers {waiting} did not answer /health within "
+                    f"{self.config.startup_timeout_s:.0f} s (--sglang-startup-timeout); check "
+                    "their logs"
+                )
+            if now - last_log >= progress_s:
+                logger.info(
+                    "waiting for SGLang servers %s to answer /health (%.0f s of %.0f s)",
+                    waiting,
+                    now - start,
+                    self.config.startup_timeout_s,
+                )
+                last_log = now
+            time.sleep(poll_s)
+        self.check_servers()
+        return time.monotonic() - start
+
+    def check_servers(self) -> None:
+        """ValueError when a worker's ``/server_info`` ``tp_size`` differs from the weight
+        group's ranks per server (``--sglang-engine-ranks``): the group's world size and rank
+        offsets would be wrong and the broadcast would hang. Workers that do not report
+        ``tp_size`` are not checked. The ``tensor`` transport passes handles, not bytes: each
+        worker must run on this host (`check_same_host`)."""
+        if self.config.sync.transport == "tensor":
+            for url in self.workers.members():
+                check_same_host(url)
+        want = self.config.sync.engine_ranks
+        for url in self.workers.members():
+            info = self.workers.server_info(url, timeout_s=self.config.http.health_timeout_s)
+            got = info.get("tp_size")
+            if got is not None and int(got) != want:
+                raise ValueError(
+                    f"{url} runs with tp_size={got} (its /server_info), but the weight sync "
+                    f"expects {want} ranks per server: pass --sglang-engine-ranks {got}"
+                )
 
     def membership_metrics(self) -> dict[str, float]:
         """``rollout/servers_up`` (pool members) and ``rollout/servers_dropped`` (drops so far)."""
@@ -279,13 +373,7 @@ class SGLangEngine:
                 healthy=False, weight_version=self._version, detail=f"no server up{router}"
             )
         versions = {
-            u: parse_version(
-                (self.workers.call_on(u, "GET", "/get_model_info", None) or {}).get(
-                    "weight_version"
-                ),
-                u,
-            )
-            for u in up
+            u: parse_version(self.workers.model_info(u).get("weight_version"), u) for u in up
         }
         agree = len(set(versions.values())) == 1
         dropped = self.workers.dropped()
@@ -308,3 +396,23 @@ class SGLangEngine:
         if len(entries) != len(token_ids):
             raise RuntimeError(f"score: {len(entries)} input logprobs for {len(token_ids)} tokens")
         return torch.tensor([float(e[0]) for e in entries[1:]], dtype=torch.float32)
+
+
+def check_same_host(url: str) -> None:
+    """ValueError unless ``url``'s host is this machine (a loopback address or one of its own):
+    the ``tensor`` transport hands the server shared-memory names (CPU) or CUDA IPC handles
+    (GPU), which only processes on the sender's host can open."""
+    host = urllib.parse.urlparse(url).hostname or ""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError as err:
+        raise ValueError(f"{url}: cannot resolve {host!r}: {err}") from None
+    local = {"127.0.0.1", "::1"}
+    with contextlib.suppress(OSError):
+        local |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    if not all(a in local or a.startswith("127.") for a in addresses):
+        raise ValueError(
+            f"--weight-sync-transport tensor: {url} is not on this host ({socket.gethostname()}); "
+            "tensor handles only reach servers on the sender's node and GPUs. Use "
+            "--weight-sync-transport distributed"
+        )

@@ -82,6 +82,39 @@ def generate_request(
     return payload
 
 
+def finish_reason(body: object) -> dict:
+    """``meta_info.finish_reason`` of a ``/generate`` answer as a dict (``{}`` when absent).
+
+    SGLang reports a request aborted by ``/abort_request``, a pause in ``abort`` mode or a
+    weight update that aborts as an HTTP 200 answer with ``{"type": "abort", ...}`` and the
+    tokens generated so far: never a sample to train on."""
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    reason = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if isinstance(reason, dict):
+        return reason
+    return {} if reason is None else {"type": str(reason)}
+
+
+def parse_version_spans(spans: object, name: str, num_tokens: int) -> tuple:
+    """SGLang's ``meta_info.weight_versions`` (``[{"version", "start", "end"}, ...]``, from
+    ``srt/utils/weight_versions.py``) -> ``((version, start, end), ...)``, checked to cover the
+    ``num_tokens`` response tokens in order; ``()`` when absent."""
+    if spans is None:
+        return ()
+    try:
+        out = tuple(
+            (parse_version(s["version"], name), int(s["start"]), int(s["end"])) for s in spans
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise RuntimeError(f"{name}: bad weight_versions {str(spans)[:200]}: {err}") from None
+    bounds = [0] + [end for _, _, end in out]
+    if not out or [s for _, s, _ in out] != bounds[:-1] or bounds[-1] != num_tokens:
+        raise RuntimeError(
+            f"{name}: weight_versions {list(out)} do not cover its {num_tokens} response tokens"
+        )
+    return out
+
+
 def parse_version(value: object, where: str) -> int:
     """SGLang's ``weight_version`` string -> int (``"default"``, never updated, is 0)."""
     if value == "default":
@@ -138,6 +171,8 @@ def decode_generate(
             layer_pattern,
             codec,
         )
+    spans = parse_version_spans(meta.get("weight_versions"), name, len(output_ids))
+    version = parse_version(meta.get("weight_version"), name)
     sample = RolloutSample(
         prompt_index=prompt_index,
         sample_index=sample_index,
@@ -145,7 +180,8 @@ def decode_generate(
         response_ids_R=torch.tensor(output_ids, dtype=torch.long),
         logprobs_R=torch.tensor(logprobs, dtype=torch.float32),
         finish_reason=str(reason) if reason is not None else "abort",
-        weight_version=parse_version(meta.get("weight_version"), name),
+        weight_version=min((v for v, _, _ in spans), default=version),
+        weight_versions=spans,
         routes=routes,
     )
     sample.check(num_moe_layers=sum(1 for sparse in layer_pattern if sparse))

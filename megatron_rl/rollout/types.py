@@ -89,7 +89,11 @@ class RolloutSample:
         logprobs_R: float32 [R], the engine's log-prob of each response token (see
             `megatron_rl.rollout.sampling` for the temperature convention).
         finish_reason: "stop" (a stop token), "length" (max_new_tokens) or "abort".
-        weight_version: the engine weight version that produced every token of it.
+        weight_version: the oldest engine weight version that produced a token of it (the
+            only one, unless it spans an update).
+        weight_versions: per segment of response tokens, ``(version, start, end)`` (token
+            indices ``[start, end)``), as SGLang reports them (``meta_info.weight_versions``)
+            when a request outlives a weight update; empty when the engine does not report them.
         routes: None, or a `RoutingBlob` of ``num_tokens = P + R - 1`` rows ``[P + R - 1, L, K]``
             (see the module docstring for the alignment), encoded with the engine's
             `RoutingCodec`.
@@ -102,6 +106,7 @@ class RolloutSample:
     logprobs_R: torch.Tensor
     finish_reason: str
     weight_version: int
+    weight_versions: tuple[tuple[int, int, int], ...] = ()
     routes: RoutingBlob | None = None
 
     @property

@@ -5,18 +5,21 @@ One sync (`sync_weights`) on the trainer's global rank 0, fed by
 drop the tensors):
 
 1. ``/pause_generation`` and ``/flush_cache`` on every server;
-2. the tensors, in buckets of at most ``bucket_bytes`` (`flat_bucket.flat_buckets`), each packed
-   into one staging buffer in SGLang's ``flattened_bucket`` layout and checked for NaN/Inf there,
-   once, on this side (`flat_bucket.first_nonfinite`; servers do not check), then sent by one
-   transport: ``distributed`` (``/init_weights_update_group`` once, then per bucket
+2. ``/begin_weight_update`` (transports ``distributed`` and ``tensor``, on servers that have
+   sessions: `update_session`), the tensors, in buckets of at most ``bucket_bytes``
+   (`flat_bucket.flat_buckets`), each packed into one staging buffer in SGLang's
+   ``flattened_bucket`` layout and checked for NaN/Inf there, once, on this side
+   (`flat_bucket.first_nonfinite`; servers do not check), then sent by one transport:
+   ``distributed`` (``/init_weights_update_group`` once, then per bucket
    ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` while rank 0
    broadcasts the flat buffer once over that group; NCCL on GPU, gloo on CPU), ``tensor``
    (``/update_weights_from_tensor``, colocated: the flat buffer by SGLang's
    ``MultiprocessingSerializer`` format, which passes CUDA IPC handles on GPU and a shared-memory
    file name on CPU, never the bytes), or ``disk`` (HF safetensors written to a temporary folder
-   renamed into place, then ``/update_weights_from_disk``);
+   renamed into place, then ``/update_weights_from_disk``), then ``/end_weight_update``, whatever
+   happened;
 3. ``/update_weight_version`` to ``version`` once every bucket loaded, then each server's
-   ``weight_version`` (``/get_model_info``) must equal it, and optionally per-tensor checksums;
+   ``weight_version`` (``/model_info``) must equal it, and optionally per-tensor checksums;
 4. ``/continue_generation``, whatever happened.
 
 Server membership (see `WeightSync`): a server that dies or fails any step leaves the sync and
@@ -43,6 +46,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 import types
 import uuid
@@ -55,6 +59,7 @@ from megatron_rl.rollout import flat_bucket
 from megatron_rl.rollout.flat_bucket import FLATTENED, flat_buckets
 from megatron_rl.rollout.hf_weights import checksums
 from megatron_rl.rollout.http_pool import ServerError
+from megatron_rl.rollout.update_session import TRANSPORTS_NEEDING_SESSION, UpdateSessions
 from megatron_rl.rollout.weight_group import (
     destroy_weight_group,
     dtype_name,
@@ -158,6 +163,7 @@ class WeightSync:
         self.config = config
         self.hf_config = hf_config
         self.min_servers = min_servers
+        self.sessions = UpdateSessions(pool, timeout_s=config.failure_timeout_s)
         self.group = None
         self.group_name: str | None = None  # the live group's unique name
         self._group_urls: tuple[str, ...] = ()  # the servers in the live group, in rank order
@@ -208,10 +214,35 @@ class WeightSync:
         self._collect(urls, futures, what)
 
     def versions(self) -> dict[str, object]:
-        return {
-            u: (self.pool.call_on(u, "GET", "/get_model_info", None) or {}).get("weight_version")
-            for u in self.pool.members()
-        }
+        return {u: self.pool.model_info(u).get("weight_version") for u in self.pool.members()}
+
+    def _begin_sessions(self) -> list[str]:
+        """``/begin_weight_update`` on every live server (transports that need a session;
+        see `update_session`); the servers with a session open. A refusal fails that server."""
+        if self.config.transport not in TRANSPORTS_NEEDING_SESSION:
+            return []
+        urls = list(self._live)
+        futures = [self._threads.submit(self.sessions.begin, u) for u in urls]
+        self._collect(urls, futures, "begin_weight_update")
+        return [u for u, f in zip(urls, futures, strict=True) if u in self._live and f.result()]
+
+    def _end_sessions(self, opened: list[str]) -> None:
+        """``/end_weight_update`` on every server a session was opened on, whatever happened
+        (a session left open would refuse the next sync's begin). A live server whose end
+        fails leaves the sync, unless the transfer already failed (then only logged)."""
+        failing = sys.exc_info()[1] is not None
+        futures = [self._threads.submit(self.sessions.end, u) for u in opened]
+        wait(futures, timeout=self.config.failure_timeout_s + self.pool.config.connect_timeout_s)
+        for url, future in zip(opened, futures, strict=True):
+            why = _failure(future) if future.done() else "no answer"
+            if why is None:
+                continue
+            if failing or url not in self._live:
+                logger.warning("end_weight_update on %s failed: %s", url, why)
+            else:
+                self._fail(url, f"end_weight_update: {why}")
+        if not failing:
+            self._require()
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
         report = SyncReport(version=version)
@@ -232,7 +263,11 @@ class WeightSync:
             # waits for idle and retries SGLang's 400 (`HttpPool.flush_cache`)
             self._each(self.pool.flush_cache, "flush_cache")
             push = {"distributed": self._distributed, "tensor": self._tensor, "disk": self._disk}
-            push[self.config.transport](stream, report, version)
+            opened = self._begin_sessions()
+            try:
+                push[self.config.transport](stream, report, version)
+            finally:
+                self._end_sessions(opened)
             self._phase(
                 "/update_weight_version",
                 {"new_version": str(version)},
@@ -307,13 +342,11 @@ class WeightSync:
     def _verify(self, version: int, sums: dict[str, float], report: SyncReport) -> None:
         for url in list(self._live):
             try:
-                info = self.pool.call_on(
-                    url, "GET", "/get_model_info", None, timeout_s=self.config.failure_timeout_s
-                )
+                info = self.pool.model_info(url, timeout_s=self.config.failure_timeout_s)
             except RuntimeError as err:
-                self._fail(url, f"get_model_info: {err}")
+                self._fail(url, f"model_info: {err}")
                 continue
-            got = (info or {}).get("weight_version")
+            got = info.get("weight_version")
             if str(got) != str(version):
                 self._fail(url, f"after sync to version {version} the server reports {got!r}")
         self._require()
@@ -457,10 +490,11 @@ class WeightSync:
         early = {u: _failure(f) for u, f in zip(urls, futures, strict=True) if f.done()}
         self._destroy_group()  # frees the members still waiting in the broadcast
         wait(futures, timeout=self.config.failure_timeout_s)
-        healthy = set(self.pool.probe_all(urls))
+        # generation is paused: SGLang's /health would wait on the pause (503 after 20 s)
+        healthy = set(self.pool.alive_all(urls))
         for url in urls:
             if url not in healthy:
-                self._fail(url, f"broadcast failed ({broken}) and /health fails")
+                self._fail(url, f"broadcast failed ({broken}) and /model_info fails")
             elif early.get(url):
                 self._fail(url, f"update_weights_from_distributed: {early[url]}")
         if set(urls) <= set(self._live):
@@ -591,10 +625,25 @@ class WeightSync:
                 for _ in self._live
             ]
             # waits for every server to finish reading before the buffer may be reused
-            self._phase("/update_weights_from_tensor", payloads, "update_weights_from_tensor")
+            try:
+                self._phase("/update_weights_from_tensor", payloads, "update_weights_from_tensor")
+            finally:
+                self._check_device_seen()
             del obj, payloads, flat
         if on_gpu:
             self._staging[0] = None
+
+    def _check_device_seen(self) -> None:
+        """WeightSyncError naming the fix when a server could not open the tensor handle
+        (SGLang's ``srt/utils/patch_torch.py`` raises "Invalid device_uuid" when the handle
+        names a GPU that is not among the server's visible devices)."""
+        unseen = [u for u, why in self._failed.items() if "Invalid device_uuid" in why]
+        if unseen:
+            raise WeightSyncError(
+                f"--weight-sync-transport tensor: {unseen} cannot see this rank's GPU "
+                f"({self._failed[unseen[0]]}); the tensor transport needs servers on the "
+                "trainer's own GPUs. Use --weight-sync-transport distributed"
+            )
 
     def _disk(self, stream, report: SyncReport, version: int) -> None:
         """Safetensors shards in ``weights-v{version}`` (written under a temporary name, then

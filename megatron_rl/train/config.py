@@ -96,6 +96,7 @@ class TrainConfig:
     weight_sync_transport: str = "distributed"
     sglang_engine_ranks: int = 1  # GPUs (TP ranks) of each SGLang server, for weight sync
     sglang_request_timeout: float | None = None  # /generate read timeout (s); None: none
+    sglang_startup_timeout: float = 3600.0  # how long rank 0 waits for the servers at start
     rollout_dtype: str = "float32"
     rollout_batch_size: int = 16  # prompts per rollout
     n_samples_per_prompt: int = 8
@@ -186,6 +187,10 @@ class TrainConfig:
             )
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"--torch-threads={self.torch_threads}: must be >= 1")
+        if not self.sglang_startup_timeout > 0:
+            raise ValueError(
+                f"--sglang-startup-timeout={self.sglang_startup_timeout}: must be > 0 seconds"
+            )
         if self.sglang_request_timeout is not None and not self.sglang_request_timeout > 0:
             raise ValueError(
                 f"--sglang-request-timeout={self.sglang_request_timeout}: must be > 0 (or none)"
@@ -398,6 +403,7 @@ class TrainConfig:
             sglang_request_timeout=self.sglang_request_timeout,
             sglang_router_url=self.sglang_router_url,
             sglang_min_servers=self.sglang_min_servers,
+            sglang_startup_timeout=self.sglang_startup_timeout,
         )
 
     def logger_config(self):
@@ -599,6 +605,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_optional_float,
         help="read timeout (s) of one SGLang request; default none (a timed-out request is "
         "aborted and retried elsewhere, the server is not marked down)",
+    )
+    add(
+        g,
+        "sglang-startup-timeout",
+        type=float,
+        help="seconds to wait for every SGLang server's /health before the first weight sync "
+        "(servers listen only once their model is loaded)",
     )
     add(g, "rollout-dtype", choices=("float32", "bfloat16"))
     for name in ("rollout-batch-size", "n-samples-per-prompt", "max-response-length"):

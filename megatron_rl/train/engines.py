@@ -25,6 +25,7 @@ class EngineConfig:
     sglang_request_timeout: float | None = None  # read timeout of one request; None: none
     sglang_router_url: str | None = None  # generation through sglang-router (workers: control)
     sglang_min_servers: int = 1  # fewer live servers than this stops the run
+    sglang_startup_timeout: float = 3600.0  # waiting for the servers' /health at start
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -69,5 +70,6 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
         sync=sync,
         router_url=config.sglang_router_url,
         min_servers=config.sglang_min_servers,
+        startup_timeout_s=config.sglang_startup_timeout,
     )
     return SGLangEngine(engine_config)

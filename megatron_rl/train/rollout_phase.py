@@ -101,6 +101,8 @@ def run_rollout(
         / len(generated),
         "rollout/zero_variance_group_frac": float(zero_variance.float().mean()),
         "rollout/weight_version": float(min(s.weight_version for s in generated)),
+        # samples a server aborted (abort_all, a pause in abort mode) and generated again
+        "rollout/aborted": float(engine.take_aborted()),
     }
     return RolloutResult(samples, metrics)
 

@@ -125,6 +125,10 @@ class Trainer:
             self.engine = build_engine(
                 config.engine_config(), self.hf_config, self.tokenizer.pad_token_id, config.seed
             )
+            # SGLang listens only once its model is loaded: wait before the first sync
+            waited = self.engine.wait_until_ready()
+            if waited > 1.0:
+                logger.info("rollout servers ready after %.0f s", waited)
         self.step_index = 0
         self.weight_version = 0
         self._async = (

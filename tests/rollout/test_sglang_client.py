@@ -326,6 +326,7 @@ def test_a_failed_batch_aborts_what_it_already_sent(servers):
     assert not server._running and time.monotonic() - start < 30.0  # the 60 s stalls ended
 
 
+# sglang-router 0.3.2's routes (sglang-api.md); the real binary is tested in test_real_router.py
 ROUTER_ROUTES = {"/generate", "/health", "/health_generate", "/flush_cache", "/get_model_info"}
 
 
@@ -347,9 +348,85 @@ def test_generation_goes_through_the_router_and_control_calls_to_the_workers(ser
         assert client.weight_sync.urls == (worker.url,)  # the router is no weight-group member
     assert router.requests.count("/generate") == len(PROMPTS) * N
     assert "/generate" not in worker.requests
-    assert "/flush_cache" in worker.requests and "/get_model_info" in worker.requests
+    assert "/flush_cache" in worker.requests and "/model_info" in worker.requests
     assert not set(router.requests) - ROUTER_ROUTES
+
+
+def test_r3_generation_bypasses_the_router_which_drops_routed_experts(servers):
+    """The real router forwards no ``return_routed_experts`` (test_real_router.py): samples that
+    need routes go to the workers, the others through the router."""
+    worker, router = servers(2)
+    config = SGLangEngineConfig.from_hf_config(
+        tiny_config(),
+        http=HttpPoolConfig(urls=(worker.url,), backoff_s=0.01),
+        router_url=router.url,
+    )
+    with SGLangEngine(config) as client:
+        samples = client.generate(PROMPTS, PARAMS, n=N, return_routed_experts=True)
+        assert all(s.routes is not None for s in samples)
+        assert worker.requests.count("/generate") == len(PROMPTS) * N
+        assert "/generate" not in router.requests
+        client.generate(PROMPTS, PARAMS, n=N)
+        assert router.requests.count("/generate") == len(PROMPTS) * N
     with pytest.raises(ValueError, match="both router_url and a worker URL"):
         SGLangEngineConfig.from_hf_config(
             tiny_config(), http=HttpPoolConfig(urls=(worker.url,)), router_url=worker.url
         )
+
+
+def test_aborted_samples_are_generated_again_and_counted(servers):
+    """An ``abort_all`` mid-batch (another generator on the same servers, a pause in abort
+    mode) ends requests with HTTP 200 and ``finish_reason`` abort: those samples are generated
+    again, never returned, and counted (``rollout/aborted``)."""
+    (server,) = servers(1)
+    stalled = []
+
+    def stall_two(path, payload):
+        if path == "/generate" and len(stalled) < 2:
+            stalled.append(payload["rid"])
+            return "stall"
+        return None
+
+    server.before_request = stall_two
+    timer = threading.Timer(1.0, lambda: server.handle("/abort_request", {"abort_all": True}))
+    timer.start()
+    with client_for([server], request_timeout_s=60.0) as client:
+        samples = client.generate(PROMPTS, PARAMS, n=N)
+        assert client.take_aborted() == 2 and client.take_aborted() == 0
+    timer.join()
+    assert len(samples) == len(PROMPTS) * N
+    assert all(s.finish_reason != "abort" for s in samples)
+    assert server.requests.count("/generate") == len(PROMPTS) * N + 2
+
+
+def test_a_partial_aborted_answer_is_not_trained_on(servers):
+    """SGLang returns the tokens generated before the abort; the client must not keep them."""
+    (server,) = servers(1)
+    original, answered = server.handle, []
+
+    def partial_abort_once(path, payload):
+        status, body = original(path, payload)
+        if path == "/generate" and not answered:
+            answered.append(body)
+            body["meta_info"]["finish_reason"] = {"type": "abort", "message": "Aborted"}
+        return status, body
+
+    server.handle = partial_abort_once
+    with client_for([server]) as client:
+        samples = client.generate(PROMPTS[:1], PARAMS, n=1)
+        assert client.take_aborted() == 1
+    assert samples[0].finish_reason != "abort" and answered[0]["output_ids"]
+
+
+def test_a_sample_aborted_every_time_fails_naming_the_option(servers):
+    (server,) = servers(1)
+    server.before_request = lambda path, payload: "stall" if path == "/generate" else None
+    server.stall_s = 0.0  # each stalled request ends at once as if aborted in the queue
+    original_stalled = server._stalled
+    server._stalled = lambda key: original_stalled(key) or True
+    config = SGLangEngineConfig.from_hf_config(
+        tiny_config(), http=HttpPoolConfig(urls=(server.url,), backoff_s=0.01), max_abort_retries=2
+    )
+    with SGLangEngine(config) as client, pytest.raises(RuntimeError, match="max_abort_retries"):
+        client.generate(PROMPTS[:1], PARAMS, n=1)
+    assert server.requests.count("/generate") == 3

@@ -64,7 +64,7 @@ class _RecordingPool(HttpPool):
         self.calls.append((url, path, payload))
         if self.on_call is not None:
             self.on_call(url, path, payload)
-        if path == "/get_model_info":
+        if path == "/model_info":
             return {"weight_version": self.version}
         return {"success": True, "message": "ok"}
 
@@ -80,6 +80,8 @@ REQUEST_CLASS = {
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
 }
 
 
@@ -114,6 +116,15 @@ def test_weight_update_bodies_are_sglang_request_fields(config, monkeypatch, tmp
             assert set(payload) <= set(dataclass_fields(IO_STRUCT, REQUEST_CLASS[path])), path
             checked += 1
     assert checked >= 4
+    # SGLang 0.5.23 loads tensor and distributed updates only inside a session
+    for url in pool.config.urls:
+        paths = [path for u, path, _ in pool.calls if u == url]
+        updates = [i for i, p in enumerate(paths) if p.startswith("/update_weights_from")]
+        if config["transport"] == "disk":
+            assert "/begin_weight_update" not in paths
+            continue
+        begin, end = paths.index("/begin_weight_update"), paths.index("/end_weight_update")
+        assert begin < min(updates) and max(updates) < end < paths.index("/update_weight_version")
 
 
 def test_tensor_transport_serialises_one_entry_per_rank_and_keeps_tensors_alive(monkeypatch):

@@ -88,3 +88,21 @@ def test_engine_config_takes_the_hf_layer_pattern():
     assert config.layer_pattern == PATTERN and config.num_moe_layers == 2
     with pytest.raises(ValueError, match="layer_pattern"):
         SGLangEngineConfig(http=config.http, num_experts=8, topk=2, layer_pattern=(0, 0))
+
+
+def test_a_sample_spanning_an_update_keeps_its_segments_and_oldest_version():
+    """SGLang >= 0.5.19 reports ``weight_versions`` spans (``srt/utils/weight_versions.py``)
+    and overwrites ``weight_version`` with the last one; the sample's version is the oldest."""
+    body = _body(_routes(), num_out=2)
+    body["meta_info"]["weight_version"] = "4"
+    body["meta_info"]["weight_versions"] = [
+        {"version": "3", "start": 0, "end": 1},
+        {"version": "4", "start": 1, "end": 2},
+    ]
+    sample = _decode(body)
+    assert sample.weight_version == 3 and sample.weight_versions == ((3, 0, 1), (4, 1, 2))
+    body["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 1}]
+    with pytest.raises(RuntimeError, match="do not cover its 2 response tokens"):
+        _decode(body)
+    del body["meta_info"]["weight_versions"]
+    assert _decode(body).weight_versions == ()
