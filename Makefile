@@ -1,6 +1,7 @@
 # Two entry points do all set-up on a fresh machine (Python 3.11, no GPU):
 #   make main   runs the project's main job
-#   make test   lints and runs the test suite (what CI runs)
+#   make test   lints and runs the test suite (what CI runs), the real SGLang server's tests too
+#   make sglang-env  the real SGLang server + router in .venv-sglang/ (make test does it)
 #   make test-fast  lint + every test not marked slow (the inner loop, under 2 minutes)
 # Both create .venv/ inside the checkout on first use; torch stays on the 2.13.0 CPU build.
 
@@ -9,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: main report test test-fast lint bench clean
+.PHONY: main report test test-fast lint bench clean sglang-env
 
 $(STAMP): setup.py constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,14 @@ $(STAMP): setup.py constraints-cpu.txt
 	$(PY) -m pip install --quiet --no-deps sglang==0.5.23 sglang-router==0.3.2
 	touch $@
 
+# The real SGLang server + sglang-router on CPU, in their own lean venv (tests/real_sglang)
+SGLANG_STAMP := .venv-sglang/.installed
+
+$(SGLANG_STAMP): tests/real_sglang/install.sh tests/real_sglang/requirements.txt constraints-cpu.txt
+	bash tests/real_sglang/install.sh
+
+sglang-env: $(SGLANG_STAMP)
+
 main: $(STAMP)
 	$(PY) -m megatron_rl.train --run-dir runs/main
 
@@ -31,11 +40,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
-	$(PY) -m pytest -n 2 -q
+# the real SGLang server and router tests are part of the suite: a missing venv is an error
+test: lint $(SGLANG_STAMP)
+	MEGATRON_RL_REAL_SGLANG=require $(PY) -m pytest -n 2 --dist loadgroup -q
 
 test-fast: lint
-	$(PY) -m pytest -n 2 -q -m "not slow"
+	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"
 
 bench: $(STAMP)
 	$(PY) tools/bench_losses.py

@@ -7,6 +7,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "model"))
+sys.path.append(os.path.dirname(__file__))  # `from real_sglang import servers`
 
 
 import pytest
