@@ -5,9 +5,9 @@ SGLang 0.5's HTTP API (field names from ``sglang/srt/managers/io_struct.py``) th
 `SGLangEngine` uses: ``/generate`` (``input_ids``, ``sampling_params``, ``return_logprob``,
 ``logprob_start_len``, ``return_routed_experts``; answer ``output_ids`` and ``meta_info``, whose
 ``routed_experts`` covers every decoder layer with dense layers zero, as SGLang's does),
-``/health``, ``/get_model_info``, ``/flush_cache``, ``/pause_generation``,
-``/continue_generation``, ``/abort_request``, ``/update_weights_from_disk``,
-``/update_weights_from_tensor``,
+``/health``, ``/model_info`` (and ``/get_model_info``), ``/server_info``, ``/flush_cache``,
+``/pause_generation``, ``/continue_generation``, ``/abort_request``, ``/begin_weight_update``,
+``/end_weight_update``, ``/update_weights_from_disk``, ``/update_weights_from_tensor``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
 ``/destroy_weights_update_group``, ``/update_weight_version``.
 
@@ -21,6 +21,16 @@ Differences from SGLang, deliberately: one extra endpoint,
 inject faults: return "drop" (close without answering), "503", "stall" (sleep ``stall_s``; a
 stalled ``/generate`` counts as running and ends early on ``/abort_request``), or
 "die" (stop the server, dropping the request).
+
+It refuses what SGLang 0.5.23 refuses: tensor and distributed updates outside a
+``/begin_weight_update`` .. ``/end_weight_update`` session and a second begin (HTTP 400,
+``srt/managers/scheduler_components/weight_updater.py``; ``sessions = False`` plays a release
+before 0.5.21, which answers 404 on begin), ``/health`` while generation is paused (it waits,
+then 503 after ``health_check_timeout_s``, as the tokenizer manager's pause holds the health
+generation), and a CUDA IPC handle (SGLang's ``srt/utils/patch_torch.py``: "Invalid
+device_uuid" for a GPU it cannot see; this server sees none). The real server runs in CI
+(``tests/rollout/test_real_sglang.py``); this stand-in is for the fast lane and for faults the
+real server cannot be made to show.
 
 Like SGLang 0.5.23 (``srt/entrypoints/http_server.py``) where the client depends on it:
 ``/health`` (and ``/health_generate``) generates one token, then sleeps ``health_delay_s``

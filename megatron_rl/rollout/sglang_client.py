@@ -10,15 +10,22 @@ weight-version reads of `health`. sglang-router 0.3.2 serves only ``/generate``,
 pause, weight-update or weight-version routes, and it is no member of the weight-update process
 group; so a router URL must not be given as a worker URL (`WeightSync` gets the worker pool).
 
-Every sample is one ``/generate`` request (``n = 1``) with its own slot in the result list, run
-by a pool of ``max_in_flight`` threads. A retried request (timeout, dropped connection, 5xx; see
+Generation that needs routed experts (R3) goes to the workers directly even when a router is
+given: sglang-router 0.3.2 forwards a fixed set of ``/generate`` fields and drops
+``return_routed_experts`` (``tests/rollout/test_real_router.py`` runs the real binary).
+
+Every sample is one ``/generate`` request (``n = 1``) with its own slot in the result list, run by
+a pool of ``max_in_flight`` threads. A retried request (timeout, dropped connection, 5xx; see
 `HttpPool`) carries a fresh ``rid`` and fills the same slot, so no sample is lost or duplicated:
-the batch returns exactly ``len(prompts) * n`` samples or raises. Answers are checked and
-decoded one by one (`sglang_payload.decode_generate`). When a batch fails, its requests not yet
-sent are dropped and every worker gets ``/abort_request`` with ``abort_all`` (SGLang's
-``AbortReq``), so the samples already sent stop occupying the servers. A request that reaches
-the read timeout (``http.request_timeout_s``; none by default) is aborted by ``rid`` on every
-worker and retried elsewhere; a read timeout does not mark the server down.
+the batch returns exactly ``len(prompts) * n`` samples or raises. An answer whose
+``finish_reason`` is ``abort`` (HTTP 200 with a partial answer: ``/abort_request``, a pause in
+``abort`` mode, another generator's ``abort_all``) is generated again, at most
+``max_abort_retries`` times, and counted (`take_aborted`, the ``rollout/aborted`` metric). Answers
+are checked and decoded one by one (`sglang_payload.decode_generate`). When a batch fails, its
+requests not yet sent are dropped and every worker gets ``/abort_request`` with ``abort_all``
+(SGLang's ``AbortReq``), so the samples already sent stop occupying the servers. A request that
+reaches the read timeout (``http.request_timeout_s``; none by default) is aborted by ``rid`` on
+every worker and retried elsewhere; a read timeout does not mark the server down.
 
 Routed experts (``return_routed_experts=True``; servers started with
 ``--enable-return-routed-experts --skip-tokenizer-init``, SGLang >= 0.5.10): SGLang returns
