@@ -57,6 +57,11 @@ def init_distributed(
         expert_model_parallel_size=parallel.expert_parallel,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel,
     )
+    # The CPU generator too: megatron initialises some weights on the CPU (the MoE routers) and
+    # its model-parallel seeding only reaches the CUDA generators on a GPU; without this two
+    # fresh processes of one run would build different routers (megatron-LM's _set_random_seed
+    # seeds torch's default generator the same way). On CPU the next call reseeds it likewise.
+    torch.manual_seed(parallel.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(parallel.seed)
     logger.info("rank %d/%d initialised on %s with %s", rank, world_size, compute_device, parallel)
     return compute_device

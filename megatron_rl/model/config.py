@@ -7,6 +7,9 @@ Parallel sizes are read from megatron-core's ``parallel_state`` (initialise it f
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
+import logging
 from typing import Any
 
 import torch
@@ -19,6 +22,28 @@ from megatron_rl.model.memory import megatron_stage_layers
 from megatron_rl.moe_layers import moe_layer_pattern
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# apex's CUDA extension behind megatron's gradient-accumulation fusion in its own linear layers
+# (``tensor_parallel/layers.py``: the output layer is one even with Transformer Engine)
+GRAD_ACCUM_FUSION_MODULE = "fused_weight_gradient_mlp_cuda"
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def grad_accum_fusion_available() -> bool:
+    """Whether apex's ``fused_weight_gradient_mlp_cuda`` can be imported (checked once, logged).
+
+    megatron builds the output layer as its own ``ColumnParallelLinear`` even with Transformer
+    Engine, and that layer raises at construction when the fusion is on without the kernel; TE
+    alone (the ``[gpu]`` extra) does not provide it."""
+    found = importlib.util.find_spec(GRAD_ACCUM_FUSION_MODULE) is not None
+    if not found:
+        logger.info(
+            "gradient_accumulation_fusion off: apex's %s is not installed (its fusion saves one "
+            "gradient copy per linear layer; build apex with --cuda_ext to enable it)",
+            GRAD_ACCUM_FUSION_MODULE,
+        )
+    return found
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -167,7 +192,7 @@ def to_transformer_config(
         masked_softmax_fusion=False,
         apply_rope_fusion=use_te,
         moe_permute_fusion=use_te,
-        gradient_accumulation_fusion=use_te,
+        gradient_accumulation_fusion=use_te and grad_accum_fusion_available(),
         persist_layer_norm=False,
         **extra,
     )

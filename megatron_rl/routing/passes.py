@@ -182,8 +182,10 @@ def build_replay_passes(
     topk: int,
     moe_layer_numbers: Sequence[int],
     layout: TokenLayout,
+    pipeline_group=None,
 ) -> ReplayPasses:
-    """The passes for ``config.mode``; builds the megatron driver only when replay is on."""
+    """The passes for ``config.mode``; builds the megatron driver only when replay is on.
+    ``pipeline_group``: with pipeline stages, the group whose stages' metrics are gathered."""
     if config.mode == "off":
         return ReplayPasses(layout=layout)
     from megatron_rl.routing.replay import RoutingReplay  # megatron-core only when needed
@@ -194,5 +196,6 @@ def build_replay_passes(
         num_experts=num_experts,
         topk=topk,
         moe_layer_numbers=moe_layer_numbers,
+        pipeline_group=pipeline_group,
     )
     return ReplayPasses(driver, mode=config.mode, layout=layout)

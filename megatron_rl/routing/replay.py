@@ -35,6 +35,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from megatron_rl.collectives import sum_over_ranks
 from megatron_rl.routing.alignment import TokenSources, gather_routes
 from megatron_rl.routing.codec import RoutingBlob, RoutingCodec
 from megatron_rl.routing.modes import REPLAY_MODES, ReplayConfig
@@ -55,6 +56,7 @@ class RoutingReplay:
         num_experts: int,
         topk: int,
         moe_layer_numbers: Sequence[int],
+        pipeline_group=None,
     ) -> None:
         chunks = list(model) if isinstance(model, Sequence) else [model]
         self.config = config
@@ -76,6 +78,8 @@ class RoutingReplay:
         if missing:
             raise ValueError(f"model has MoE layers {missing} not in moe_layer_numbers")
         self.layer_columns = [list(moe_layer_numbers).index(n) for n in self.layer_numbers]
+        self.moe_layer_numbers = [int(n) for n in moe_layer_numbers]
+        self.pipeline_group = pipeline_group  # stages whose layers the metrics gather
         self._recorded: dict[Hashable, RoutingBlob] = {}
         num_layers = len(self.routers)
         # agreement counts per phase: "behaviour" (old-logprob pass: R3's engine routes vs the
@@ -356,14 +360,24 @@ class RoutingReplay:
     def metrics(self) -> dict[str, float]:
         """``routing/state_bytes`` (R2 recordings) and, per phase that compared routes,
         ``routing/agreement/<phase>`` (share of token-layers whose top-k set equals the target)
-        with ``routing/agreement/<phase>/layer_<n>`` per local MoE layer."""
+        with ``routing/agreement/<phase>/layer_<n>`` per MoE layer of the whole model (global
+        layer numbers). With pipeline stages the counts are summed over ``pipeline_group``
+        (a collective: every stage calls it), so every stage reports every layer."""
         out = {"routing/state_bytes": float(self.state_bytes())}
-        for phase in PHASES:
-            agree, seen = self._agree[phase], self._seen[phase]
+        total = len(self.moe_layer_numbers)
+        counts = torch.zeros(2 * len(PHASES), total, dtype=torch.float64)
+        for i, phase in enumerate(PHASES):  # this stage's layers into the model's columns
+            counts[2 * i, self.layer_columns] = self._agree[phase]
+            counts[2 * i + 1, self.layer_columns] = self._seen[phase]
+        if self.pipeline_group is not None:
+            summed = sum_over_ranks(counts.flatten().tolist(), self.pipeline_group)
+            counts = torch.tensor(summed, dtype=torch.float64).view_as(counts)
+        for i, phase in enumerate(PHASES):
+            agree, seen = counts[2 * i], counts[2 * i + 1]
             if seen.sum() == 0:
                 continue
             out[f"routing/agreement/{phase}"] = float(agree.sum() / seen.sum())
-            for j, number in enumerate(self.layer_numbers):
+            for j, number in enumerate(self.moe_layer_numbers):
                 if seen[j] > 0:
                     out[f"routing/agreement/{phase}/layer_{number}"] = float(agree[j] / seen[j])
         return out

@@ -118,6 +118,7 @@ class Trainer:
                 tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                 sequence_parallel=bool(parallel.sequence_parallel),
             ),
+            pipeline_group=self.pp_group if self.pp > 1 else None,
         )
         self.nonfinite = NonFiniteGuard(config.max_bad_steps)
         self.engine = None
