@@ -164,7 +164,10 @@ launch_node() {
 # the allocation onto the run script's variables and starts one srun task per node (srun's
 # --kill-on-bad-exit=1 ends every task when one exits non-zero); each task (--node) runs the run
 # script with NODE_RANK=SLURM_NODEID. DRY_RUN=1 prints the srun command, then the commands of
-# every node, each after a "## node N (host)" line.
+# every node, each after a "## node N (host)" line. The one task of a node gets every core of it
+# (--cpus-per-task from SLURM_CPUS_ON_NODE; srun does not inherit sbatch's CPU count) and no CPU
+# binding (--cpu-bind=none): under cgroup task binding torchrun's 8 ranks, their data loaders and
+# the SGLang servers would otherwise share the task's single default CPU.
 slurm_entry() {
   local self=$1 run_script=$2 nodes=$3 train_nodes=$4
   shift 4
@@ -189,8 +192,10 @@ slurm_entry() {
   export ROLLOUT_HOSTS="${hosts[*]:train_nodes}"
   export NODE_HOSTS="${hosts[*]}"
   export LAUNCH_ID="${SLURM_JOB_ID:?run under sbatch (SLURM_JOB_ID unset)}"
+  local cpus=${SLURM_CPUS_ON_NODE:?run under sbatch (SLURM_CPUS_ON_NODE unset)}
   local step=(
     srun --nodes="${nodes}" --ntasks="${nodes}" --ntasks-per-node=1 --kill-on-bad-exit=1
+    --cpus-per-task="${cpus}" --cpu-bind=none
     bash "${self}" --node
   )
   if ! dry_run; then

@@ -97,6 +97,7 @@ class TrainConfig:
     sglang_engine_ranks: int = 1  # GPUs (TP ranks) of each SGLang server, for weight sync
     sglang_request_timeout: float | None = None  # /generate read timeout (s); None: none
     sglang_startup_timeout: float = 3600.0  # how long rank 0 waits for the servers at start
+    weight_sync_min_gbps: float = 1.0  # slowest healthy push (GB/s): bounds the others' wait
     rollout_dtype: str = "float32"
     rollout_batch_size: int = 16  # prompts per rollout
     n_samples_per_prompt: int = 8
@@ -187,6 +188,10 @@ class TrainConfig:
             )
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"--torch-threads={self.torch_threads}: must be >= 1")
+        if not (math.isfinite(self.weight_sync_min_gbps) and self.weight_sync_min_gbps > 0):
+            raise ValueError(
+                f"--weight-sync-min-gbps={self.weight_sync_min_gbps}: must be a number > 0 (GB/s)"
+            )
         if not self.sglang_startup_timeout > 0:
             raise ValueError(
                 f"--sglang-startup-timeout={self.sglang_startup_timeout}: must be > 0 seconds"
@@ -612,6 +617,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="seconds to wait for every SGLang server's /health before the first weight sync "
         "(servers listen only once their model is loaded)",
+    )
+    add(
+        g,
+        "weight-sync-min-gbps",
+        type=float,
+        help="the slowest weight push (GB/s) that is still healthy: the other ranks wait for "
+        "rank 0's push at most 300 s + 2 x model bytes / this (not the process group's timeout)",
     )
     add(g, "rollout-dtype", choices=("float32", "bfloat16"))
     for name in ("rollout-batch-size", "n-samples-per-prompt", "max-response-length"):

@@ -63,6 +63,7 @@ from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.reference import ReferencePolicy
 from megatron_rl.train.rollout_phase import run_rollout
 from megatron_rl.train.setup import build_task, load_policy_config
+from megatron_rl.train.sync_wait import SyncWait, hf_model_bytes, weight_sync_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,14 @@ class Trainer:
             AsyncState(max_staleness=config.max_staleness) if config.async_rollout else None
         )
         self.trained_prompts: list[int] = []  # async: this rank's prompts of the last step
+        # SGLang: rank 0 pushes the whole model while the others wait (see train/sync_wait.py)
+        self.sync_wait = None
+        if config.rollout_engine == "sglang":
+            push_dtype = torch.bfloat16 if config.bf16 else torch.float32
+            model_bytes = hf_model_bytes(self.hf_config, push_dtype)
+            self.sync_wait = SyncWait(
+                weight_sync_timeout_s(model_bytes, config.weight_sync_min_gbps)
+            )
         async_ratio = config.behavior_logprobs == "trainer" and config.rollout_correction == "none"
         if config.async_rollout and async_ratio:
             logger.warning(
@@ -494,7 +503,7 @@ class Trainer:
         self.sync_metrics: dict[str, float] = {}
         if self.config.rollout_engine == "sglang":
             membership = getattr(self.engine, "membership_metrics", dict)() if pushes else None
-            self.sync_metrics = dict(broadcast_object(membership, src=0) or {})
+            self.sync_metrics = dict(self.sync_wait.share(membership) or {})
 
     def state_dict(self) -> dict:
         return {

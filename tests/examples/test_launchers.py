@@ -165,6 +165,7 @@ def _slurm_dry_run(
         SLURM_JOB_ID="4242",
         SLURM_JOB_NODELIST="gpu[01-04]",
         SLURM_SUBMIT_DIR=str(ROOT),
+        SLURM_CPUS_ON_NODE="96",
         DRY_RUN="1",
         **env,
     )
@@ -188,6 +189,8 @@ def test_slurm_entry_gives_every_node_commands_that_pass_the_checks(tmp_path):
     srun = shlex.split(head.strip())
     assert srun[0] == "srun" and "--kill-on-bad-exit=1" in srun
     assert "--ntasks-per-node=1" in srun and "--nodes=4" in srun
+    # every core of the node to its one task, unbound (not one CPU for 8 ranks + servers)
+    assert "--cpus-per-task=96" in srun and "--cpu-bind=none" in srun
     assert srun[-3:] == ["bash", str(SBATCH), "--node"]
     assert sorted(nodes) == [0, 1, 2, 3]
     for rank in (0, 1):
@@ -421,6 +424,7 @@ def test_235b_slurm_entry_derives_every_node_role_from_slurm(tmp_path):
     srun = shlex.split(head.strip())
     assert srun[0] == "srun" and "--kill-on-bad-exit=1" in srun
     assert "--nodes=8" in srun and "--ntasks=8" in srun and "--ntasks-per-node=1" in srun
+    assert "--cpus-per-task=96" in srun and "--cpu-bind=none" in srun
     assert srun[-3:] == ["bash", str(SBATCH_235B), "--node"]
     assert sorted(nodes) == list(range(8))
     urls = tuple(f"http://gpu{i:02d}:30000" for i in range(5, 9))

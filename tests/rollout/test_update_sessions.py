@@ -119,7 +119,7 @@ def test_health_waits_on_a_pause_but_the_liveness_probe_answers(servers):
     timeout): the sync's recovery path checks liveness with /model_info instead."""
     (server,) = servers(1)
     server.health_check_timeout_s = 0.5
-    pool = HttpPool(HttpPoolConfig(urls=(server.url,), health_timeout_s=5.0))
+    pool = HttpPool(HttpPoolConfig(urls=(server.url,), health_timeout_s=30.0))
     request_json(server.url, "POST", "/pause_generation", {}, timeout_s=10)
     assert not pool.probe(server.url)  # the old recovery path dropped healthy servers here
     assert pool.alive(server.url)
@@ -154,7 +154,7 @@ def test_the_client_waits_for_servers_that_start_late(shared_engine):
     thread.start()
     try:
         config = SGLangEngineConfig.from_hf_config(
-            tiny_config(), http=HttpPoolConfig(urls=(url,), health_timeout_s=5.0)
+            tiny_config(), http=HttpPoolConfig(urls=(url,), health_timeout_s=30.0)
         )
         with SGLangEngine(config) as client:
             waited = client.wait_until_ready(poll_s=0.2)
