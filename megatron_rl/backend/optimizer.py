@@ -171,7 +171,8 @@ class PolicyOptimizer:
         """Finalise grads (DP/SP/embedding reductions), clip, update; returns the grad norm.
 
         When any gradient is non-finite on any rank, nothing is updated and None is returned on
-        every rank (the caller zeroes the gradients and counts the skip).
+        every rank (the caller zeroes the gradients and counts the skip; the reductions have
+        completed).
         """
         finalize_model_grads([self.model])
         if not all_ranks_agree(self._grads_finite()):
@@ -185,6 +186,15 @@ class PolicyOptimizer:
                 "checkpoint"
             )
         return float(grad_norm)
+
+    def skip(self) -> None:
+        """Skip this update: complete the gradient reductions every rank entered (under
+        ``--overlap-grad-reduce`` megatron's DDP launched them asynchronously during the last
+        micro-batch's backward; left un-waited, the next update asserts "Should not have
+        multiple communication calls outstanding at once"), then zero the gradients.
+        Collective: every rank calls it when the step is skipped."""
+        finalize_model_grads([self.model])
+        self.zero_grad()
 
     def _grads_finite(self) -> bool:
         """Whether this rank's reduced gradient buffers hold only finite values."""

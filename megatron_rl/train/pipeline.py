@@ -15,7 +15,9 @@ return ``None`` always). Routing replay is told about each micro-batch's forward
   by the number of micro-batches; the trainer's losses are already normalised by the global
   token/sequence counts of the optimizer step, so `pipeline_pass` multiplies that back. A
   micro-batch whose loss is ``None`` (non-finite log-probs: the step is skipped anyway) gets a
-  zero loss so that every stage still runs its backward and no stage waits forever.
+  zero loss (`skipped_loss`) so that every stage still runs its backward and no stage waits
+  forever; the one-stage loop does the same, so that every data-parallel rank launches the same
+  overlapped gradient reductions.
 """
 
 from __future__ import annotations
@@ -55,9 +57,12 @@ def single_stage_pass(
         # under --overlap-grad-reduce)
         no_sync = model.no_sync() if i < last else contextlib.nullcontext()
         with no_sync, replay.update(key, mb.routed()):
-            loss = on_logits(i, forward_logits(model, mb.tokens_BS))
-            if loss is not None:
-                loss.backward()
+            logits = forward_logits(model, mb.tokens_BS)
+            loss = on_logits(i, logits)
+            # a skipped micro-batch still runs a (zero) backward: under --overlap-grad-reduce the
+            # last one's backward launches the gradient reduce-scatters that every data-parallel
+            # rank must enter, whichever rank's micro-batch was bad
+            (skipped_loss(logits) if loss is None else loss).backward()
 
 
 def pipeline_pass(
@@ -90,7 +95,7 @@ def pipeline_pass(
             def loss_func(logits):
                 loss = on_logits(i, logits) if last_stage else None
                 if loss is None:  # forward only, or a skipped micro-batch: nothing to learn
-                    loss = logits.float().sum() * 0.0
+                    loss = skipped_loss(logits)
                 return loss * count, {}  # megatron divides by the number of micro-batches
 
             return output, loss_func
@@ -104,6 +109,13 @@ def pipeline_pass(
             micro_batch_size=max(mb.tokens_BS.shape[0] for mb in micro_batches),
             forward_only=forward_only,
         )
+
+
+def skipped_loss(logits: torch.Tensor) -> torch.Tensor:
+    """A zero loss on ``logits``' graph (non-finite values zeroed first, so the backward it
+    drives carries no NaN): a skipped micro-batch's backward still reaches every parameter's
+    gradient hook, as its peers' backwards do."""
+    return torch.nan_to_num(logits.float(), nan=0.0, posinf=0.0, neginf=0.0).sum() * 0.0
 
 
 def run_pass(

@@ -469,7 +469,11 @@ class Trainer:
 
         keys = [(j, i) for i in range(len(minibatch))]
         run_pass(self.model, minibatch, keys, self.replay, on_logits, phase="update")
-        grad_norm = self.optimizer.step() if all_ranks_agree(finite) else None
+        if all_ranks_agree(finite):
+            grad_norm = self.optimizer.step()
+        else:  # the reductions the backward launched still complete, on every rank and stage
+            self.optimizer.skip()
+            grad_norm = None
         self.nonfinite.record(grad_norm is not None, f"step {self.step_index} update {j}")
         if grad_norm is None:
             self.optimizer.zero_grad()

@@ -241,9 +241,9 @@ def test_non_finite_updates_are_skipped_then_stop_the_run_with_a_checkpoint(tmp_
 
 
 def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
-    """The same trainer against SGLang's HTTP API: the CPU loopback server (a stand-in written
-    for the tests, since SGLang's server cannot run on CPU) backed by an in-process engine, with
-    R3 routes over HTTP and weights synced through the disk transport."""
+    """The same trainer against SGLang's HTTP API: the loopback stand-in (fast; the real SGLang
+    server runs the trainer in tests/rollout/test_real_sglang.py) backed by an in-process
+    engine, with R3 routes over HTTP and weights synced through the disk transport."""
     from megatron_rl.data import BuiltinTaskConfig, builtin_task
     from megatron_rl.rollout import InProcessEngine
     from megatron_rl.rollout.loopback_server import LoopbackServer
