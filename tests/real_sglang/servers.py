@@ -106,7 +106,7 @@ def write_tiny_checkpoint(folder, config=None, *, seed: int = 0, **overrides) ->
     N(0, 0.5) as the rollout tests' ``random_hf_model`` does (HF's zeros would tie all experts).
     """
     import torch
-    from transformers import Qwen3MoeForCausalLM
+    from rollout.rollout_testing import random_hf_model
 
     if config is None:
         config = task_hf_config(**overrides)
@@ -114,13 +114,7 @@ def write_tiny_checkpoint(folder, config=None, *, seed: int = 0, **overrides) ->
         raise ValueError("write_tiny_checkpoint: give a config or overrides, not both")
     folder = Path(folder)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3MoeForCausalLM(config).eval()
-        with torch.no_grad():
-            for layer in model.model.layers:
-                gate = getattr(layer.mlp, "gate", None)
-                if gate is not None:
-                    gate.weight.normal_(0.0, 0.5)
+        model = random_hf_model(config, seed=seed)
     model.save_pretrained(folder)
     saved = json.loads((folder / "config.json").read_text())
     if saved.get("architectures") != ["Qwen3MoeForCausalLM"]:  # SGLang picks the model by it
