@@ -12,9 +12,16 @@
         --decoder-first-pipeline-num-layers 23 --decoder-last-pipeline-num-layers 23 \
         --optimizer-offload-fraction 1 --micro-batch-tokens 18432 --reference gpu
 
+    # the GPU smoke's slice (tools/gpu_smoke.py): Qwen3-30B-A3B's shape with 2 layers on one GPU,
+    # local spec (unfused attention), no recompute, no reserve; the H200 measured 44.6 / 81.4 GiB
+    python tools/memory_plan.py --model qwen3-30b-a3b --num-layers 2 --spec local \
+        --recompute none --micro-batch-tokens 8192 --reserve-gib 0 --gpu-gib 141
+
 Parameters, gradient buffers, optimizer state, routing state and the reference model are counted
-exactly; activations, logits, the log-prob chunk and the reserve are estimates (see
-`megatron_rl.model.memory`). With pipeline parallelism the fullest stage decides the verdict.
+exactly; activations, the attention core, logits, log-prob tiles, the optimizer step's temporaries
+and the reserve are estimates (see `megatron_rl.model.memory`). The peak is the static terms plus
+the largest phase of the step (printed with the others); with pipeline parallelism the fullest
+stage decides the verdict.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from megatron_rl.backend.grad_check import GRAD_CHECK_CHUNK_ELEMENTS
 from megatron_rl.model.memory import (
     CODECS,
     DTYPE_BYTES,
@@ -34,9 +42,11 @@ from megatron_rl.model.memory import (
     RECOMPUTE,
     REFERENCE,
     REPLAY,
+    SPECS,
     Layout,
     MemoryPlan,
     PlanOptions,
+    StagePlan,
     load_model_config,
     megatron_stage_layers,
     plan_memory,
@@ -59,6 +69,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model",
         default="qwen3-30b-a3b",
         help="a preset (e.g. qwen3-235b-a22b) or a HF checkpoint folder",
+    )
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        help="override the model's num_hidden_layers (e.g. 2: the GPU smoke's slice)",
+    )
+    parser.add_argument(
+        "--spec",
+        choices=SPECS,
+        default="te",
+        help="layer spec: te (fused attention, TE's FusedAdam) or local (megatron's unfused "
+        "attention with [heads, s, s] tensors, torch's AdamW), as --transformer-impl",
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel")
@@ -104,7 +126,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4096,
         help="tokens (b*s) of one micro-batch on one data-parallel rank",
     )
+    parser.add_argument(
+        "--micro-batch-sequences",
+        type=int,
+        default=1,
+        help="sequences in a micro-batch (the local spec's attention is quadratic per sequence)",
+    )
     parser.add_argument("--logprob-chunk-tokens", type=int, default=4096)
+    parser.add_argument(
+        "--grad-check-chunk-elements",
+        type=int,
+        default=GRAD_CHECK_CHUNK_ELEMENTS,
+        help="grad-buffer elements the trainer's finiteness check takes at once (default: the "
+        "trainer's chunk, backend/grad_check.py; 0: a whole buffer at once)",
+    )
     parser.add_argument("--routing-replay", choices=REPLAY, default="off")
     parser.add_argument("--routing-codec", choices=CODECS, default="auto")
     parser.add_argument("--routing-tokens", type=int, help="tokens of routing state per rank")
@@ -119,7 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_plan(args: argparse.Namespace) -> MemoryPlan:
-    config = load_model_config(args.model)
+    overrides = {} if args.num_layers is None else {"num_hidden_layers": args.num_layers}
+    config = load_model_config(args.model, **overrides)
     pipeline_layers = args.pipeline_layers
     uneven = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
     if uneven != (None, None):
@@ -157,6 +193,9 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         moe_imbalance=args.moe_imbalance,
         reserve_gib=args.reserve_gib,
         optimizer_offload_fraction=args.optimizer_offload_fraction,
+        spec=args.spec,
+        micro_batch_sequences=args.micro_batch_sequences,
+        grad_check_chunk_elements=args.grad_check_chunk_elements or None,
     )
     return plan_memory(config, layout, options, gpu_gib=args.gpu_gib)
 
@@ -188,26 +227,67 @@ def render(plan: MemoryPlan, model: str, console: Console) -> None:
                 f"{stage.gpu_bytes / GIB:.2f}",
             )
         console.print(stages)
+    phase = peak.peak_phase
     table = Table(title=f"per GPU of pipeline stage {peak.params.stage} (the fullest)")
     table.add_column("term")
     table.add_column("GiB", justify="right")
     table.add_column("kind")
     table.add_column("detail")
-    for term in peak.terms:
-        name = term.name if term.on_gpu else f"({term.name}: not on GPU)"
-        kind = "exact" if term.exact else "estimate"
-        table.add_row(escape(name), f"{term.gib:.2f}", kind, escape(term.note))
+    for term in peak.static:
+        add_term(table, term)
+    table.add_section()
+    table.add_row(f"[bold]at the peak: {escape(phase.name)}[/bold]", "", "", "")
+    for term in phase.terms:
+        add_term(table, term)
     table.add_section()
     total = plan.total_bytes / GIB
     table.add_row("[bold]total[/bold]", f"[bold]{total:.2f}[/bold]", "", "")
     console.print(table)
+    console.print(phase_table(peak))
+    console.print(escape(attention_line(plan)))
     host = sum(term.nbytes for term in peak.terms if not term.on_gpu) / GIB
     if host:
         console.print(f"host memory per GPU of this stage (not counted above): {host:.2f} GiB")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     console.print(
-        f"[bold]{verdict}[/bold] in {plan.gpu_gib:g} GiB: {total:.2f} GiB needed, "
-        f"{plan.gpu_gib - total:+.2f} GiB headroom"
+        f"[bold]{verdict}[/bold] in {plan.gpu_gib:g} GiB: {total:.2f} GiB needed at "
+        f"{phase.name} (stage {peak.params.stage}), {plan.gpu_gib - total:+.2f} GiB headroom"
+    )
+
+
+def add_term(table: Table, term) -> None:
+    name = term.name if term.on_gpu else f"({term.name}: not on GPU)"
+    kind = "exact" if term.exact else "estimate"
+    table.add_row(escape(name), f"{term.gib:.2f}", kind, escape(term.note))
+
+
+def phase_table(stage: StagePlan) -> Table:
+    """Each phase of the step: its own bytes and the GPU's total then; the peak marked."""
+    static = sum(term.nbytes for term in stage.static if term.on_gpu) / GIB
+    table = Table(title=f"phases of a step (stage {stage.params.stage}; static terms {static:.2f})")
+    for column in ("phase", "phase GiB", "total GiB"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase in stage.phases:
+        mark = " [bold]<- peak[/bold]" if phase is stage.peak_phase else ""
+        gib = phase.nbytes / GIB
+        table.add_row(escape(phase.name) + mark, f"{gib:.2f}", f"{static + gib:.2f}")
+    return table
+
+
+def attention_line(plan: MemoryPlan) -> str:
+    """The attention core's terms (`attention_bytes`) in words."""
+    att, options = plan.attention, plan.options
+    if options.spec == "te":
+        return (
+            f"attention (te, fused): no [s, s] tensors; backward dq/dk/dv {att.backward / GIB:.2f} "
+            "GiB (the fp32 softmax statistics are in the layers' activations)"
+        )
+    return (
+        f"attention (local, unfused): {att.elements:,} elements per [heads/TP x s x s] matrix; "
+        f"per layer {att.saved / GIB:.2f} GiB kept (fp32 + {options.params_dtype} probabilities, "
+        f"mask), {att.persistent / GIB:.2f} GiB scores buffer, +{att.forward / GIB:.2f} / "
+        f"+{att.backward / GIB:.2f} GiB at the last layer's forward / backward softmax, "
+        f"+{att.excess / GIB:.2f} GiB measured excess (H200)"
     )
 
 

@@ -35,32 +35,30 @@
 #       --optimizer-offload-fraction 1 --micro-batch-tokens 18432 --routing-replay r2 \
 #       --routing-responses 512 --routing-response-tokens 18432 --reference gpu --gpu-gib 80
 #
-#   chosen: TP4+SP PP4 (23/24/24/23) EP8 DP2, EDP1    stage 0  stage 1  stage 2  stage 3 (GiB)
-#     parameters, bf16 (dense + experts)                14.01    14.32    14.32    14.01
-#     fp32 gradient buffers (every local param)          28.03    28.64    28.64    28.03
-#     optimizer on GPU (all offloaded)                    0.00     0.00     0.00     0.00
-#     activations (4/3/2/1 micro-batches in flight)       4.63     3.93     3.09     2.28
-#     logits + fp32 log-prob tiles (last stage)              -        -        -     3.77
-#     routing state + targets (R2)                        0.21     0.22     0.22     0.21
-#     reference model (KL arms, during its pass)         14.01    14.32    14.32    14.01
-#     reserve                                             4.00     4.00     4.00     4.00
-#     total                                              64.90    65.43    64.59    66.31  FITS 80
-#     host memory: Adam master/m/v + grad copy          107.81   111.28   111.28   107.81
+#   chosen: TP4+SP PP4 (23/24/24/23) EP8 DP2, EDP1, stage 1 (the fullest), GiB:
+#     parameters, bf16 (dense + experts) 14.32; fp32 gradient buffers 28.64; optimizer on GPU 0
+#     (all offloaded); routing state + targets (R2) 0.22; reference model (KL arms) 14.32;
+#     reserve 4.00; static 61.50, then the largest phase of a step: a recomputed layer's
+#     backward 3.93 (the last layer's attention 3.06, the chunked gradient check 0.44)
+#     total 65.43 GiB at "backward: a recomputed layer"  FITS 80 (stages 0-3: 64.9-65.4)
+#     host memory: Adam master/m/v + grad copy 111.28 per GPU
 #   i.e. about 0.9 TiB of host memory per training node (+ 14 GiB per GPU for the offloaded KL
 #   reference between its passes): the training nodes need 2 TiB-class hosts. Keeping part of the
-#   state on the GPU: OPTIMIZER_OFFLOAD_FRACTION=0.9 plans 74.4 GiB (fits), 0.8 does not (82.5).
+#   state on the GPU: OPTIMIZER_OFFLOAD_FRACTION=0.9 plans 73.8 GiB (fits), 0.8 does not (82.1).
 #   The same without offload: 148.9 GiB on stage 1 (the expert Adam state, 12 B per parameter
-#   with no expert data parallelism to shard it over, is 81 GiB alone).
+#   with no expert data parallelism to shard it over, is 81 GiB alone). The trainer checks the
+#   gradients for NaN/Inf in chunks (backend/grad_check.py): over a whole buffer at once that
+#   check alone held 47 GiB and this layout planned 108.8 GiB.
 #
 #   without pipeline parallelism (same 32 GPUs, TP4+SP, full offload, same options):
-#     EP8  DP8 (EDP4):  239.4 GiB  DOES NOT FIT (56.7 GiB of bf16 params, 113.3 GiB of fp32 grads)
-#     EP16 DP8 (EDP2):  133.7 GiB  DOES NOT FIT (params + grads alone 90.7 GiB)
-#     EP32 DP8 (EDP1):   80.8 GiB  DOES NOT FIT (63.8 GiB without the KL reference: it fits only
-#                                  for KL-free arms, with an all-to-all across all 4 nodes in
-#                                  every one of the 94 MoE layers)
+#     EP8  DP8 (EDP4):  237.5 GiB  DOES NOT FIT (56.7 GiB of bf16 params, 113.3 GiB of fp32 grads)
+#     EP16 DP8 (EDP2):  131.7 GiB  DOES NOT FIT (params + grads alone 90.7 GiB)
+#     EP32 DP8 (EDP1):   78.9 GiB  fits with 1.1 GiB to spare (61.8 GiB without the KL
+#                                  reference), with an all-to-all across all 4 nodes in every
+#                                  one of the 94 MoE layers
 #   16 GPUs (TP4 PP4 EP4 DP1) do not fit either: 91.8 GiB without the reference (the params and
-#   fp32 grads of 1/16 of the 227B expert parameters and of a stage's attention: 83.5 GiB). PP4 EP8 keeps each pipeline stage on one
-#   node, so the expert all-to-all stays on NVLink and only the stage-to-stage activations and
+#   fp32 grads of 1/16 of the 227B expert parameters and of a stage's attention: 83.5 GiB).
+#   PP4 EP8 keeps each pipeline stage on one node, so the expert all-to-all stays on NVLink and only the stage-to-stage activations and
 #   the DP2 gradient reduction cross nodes. The bubble: 32 micro-batches per rank and step at
 #   STALENESS=8, (4-1)/(32+4-1) = 9%.
 #

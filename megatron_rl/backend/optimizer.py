@@ -29,6 +29,7 @@ from megatron.core.distributed import (
 
 from megatron_rl.backend.cpu import cpu_backend_active
 from megatron_rl.backend.cpu_optimizer import cuda_type_names
+from megatron_rl.backend.grad_check import all_finite
 from megatron_rl.collectives import all_ranks_agree
 
 logger = logging.getLogger(__name__)
@@ -199,7 +200,7 @@ class PolicyOptimizer:
     def _grads_finite(self) -> bool:
         """Whether this rank's reduced gradient buffers hold only finite values."""
         buffers = self.model.buffers + self.model.expert_parallel_buffers
-        return all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in buffers)
+        return all_finite(buffer.grad_data for buffer in buffers)  # chunked: no buffer copy
 
     def state_dict(self) -> dict:
         with self._megatron_calls():

@@ -26,8 +26,17 @@ Exact (counted from the architecture and megatron-core's parameter layout):
   travel with the samples on the host; plus the int64 targets of the live micro-batch;
 * reference model (KL): its parameters, in the policy's param dtype, when kept on the GPU.
 
-Estimated (see `layer_activation_bytes`): activations, the micro-batch logits, the fp32 log-prob /
-entropy chunk, and a fixed reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+Estimated (see `layer_activation_bytes`, `attention_bytes`): activations, the micro-batch logits,
+the fp32 log-prob / entropy tile, the optimizer step's temporaries, and a fixed reserve for the CUDA
+context, NCCL buffers and allocator fragmentation.
+
+The peak is taken on a timeline: the terms above that live for the whole step (parameters, buffers,
+optimizer state, routing state, reference, reserve, the local spec's attention-scores buffer) plus
+the largest of the *phases* (`stage_phases`): the last layer's attention in the forward, the
+log-probs (logits and their gradient, last stage), a recomputed layer's backward, the last layer's
+attention in the backward, the old-logprob pass, and the optimizer step (the trainer's gradient
+check, Adam). What a phase frees before another starts (logits before the layers' backward,
+activations before the step) is not counted in the other.
 
 This module reads a HF config's attributes only; it imports neither megatron-core nor
 transformers (`load_model_config` imports transformers to build a config by name).
@@ -41,6 +50,7 @@ import math
 import os
 from typing import Any
 
+from megatron_rl.backend.grad_check import GRAD_CHECK_CHUNK_ELEMENTS
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.routing.codec import CODECS, RoutingCodec
@@ -51,19 +61,32 @@ DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 RECOMPUTE = ("full", "none")
 REFERENCE = ("off", "gpu", "cpu")
 REPLAY = ("off", "r2", "r3")
+SPECS = ("te", "local")  # megatron layer spec: Transformer Engine (fused attention) or local
+
+# The local spec's unfused attention on an H200 (tools/gpu_smoke.py, Qwen3-30B-A3B-shaped 2-layer
+# slice, bf16, one sequence of 8,192 tokens) keeps about one fp32 [heads, s, s] tensor more at its
+# training peak than the tensors `attention_bytes` reads from megatron's and torch's code (which a
+# CPU run of the same code confirms, and which match the H200's no-grad pass to 1%): 4 bytes per
+# attention-matrix element, counted once per micro-batch at the attention phases of a training
+# pass. Measured, not derived (see `attention_bytes`).
+LOCAL_ATTENTION_EXCESS_BYTES = 4
 
 
-def load_model_config(model: str | os.PathLike):
-    """A HF ``Qwen3MoeConfig``: a preset name or a checkpoint folder."""
+def load_model_config(model: str | os.PathLike, **overrides: Any):
+    """A HF ``Qwen3MoeConfig``: a preset name or a checkpoint folder, with config attributes
+    ``overrides`` (e.g. ``num_hidden_layers=2``: the GPU smoke's slice)."""
     from megatron_rl.model.presets import PRESET_NAMES, load_hf_config, preset_config
 
     name = os.fspath(model)
     if name in PRESET_NAMES:
-        return preset_config(name)
+        return preset_config(name, **overrides)
     if not os.path.exists(name):
         known = ", ".join(PRESET_NAMES)
         raise ValueError(f"model {name!r} is neither a preset ({known}) nor a path")
-    return load_hf_config(name)
+    config = load_hf_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -531,6 +554,13 @@ class PlanOptions:
     # megatron's --optimizer-cpu-offload: this share of each rank's optimizer shard lives (and is
     # updated) in host memory; 0: no offload (needs the distributed optimizer when > 0)
     optimizer_offload_fraction: float = 0.0
+    # "te": Transformer Engine's fused attention (no [s, s] tensors) and its FusedAdam; "local":
+    # megatron's unfused DotProductAttention and torch's AdamW (no TE installed), as the GPU smoke
+    spec: str = "te"
+    micro_batch_sequences: int = 1  # sequences packed in a micro-batch (attention is per sequence)
+    # elements of a grad buffer the trainer's finiteness check (`backend.grad_check.all_finite`)
+    # looks at per call; None: a whole buffer at once (the trainer before it chunked)
+    grad_check_chunk_elements: int | None = GRAD_CHECK_CHUNK_ELEMENTS
 
     def __post_init__(self) -> None:
         choices = {
@@ -539,14 +569,25 @@ class PlanOptions:
             "routing_replay": REPLAY,
             "routing_codec": CODECS,
             "reference": REFERENCE,
+            "spec": SPECS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose one of {allowed}")
-        for name in ("micro_batch_tokens", "logprob_chunk_tokens"):
+        for name in ("micro_batch_tokens", "logprob_chunk_tokens", "micro_batch_sequences"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        chunk = self.grad_check_chunk_elements
+        if chunk is not None and not (isinstance(chunk, int) and chunk >= 1):
+            raise ValueError(
+                f"grad_check_chunk_elements={chunk!r}: must be None or an integer >= 1"
+            )
+        if self.micro_batch_tokens % self.micro_batch_sequences:
+            raise ValueError(
+                f"micro_batch_tokens={self.micro_batch_tokens} is not a multiple of "
+                f"micro_batch_sequences={self.micro_batch_sequences}"
+            )
         if self.moe_imbalance < 1.0 or self.reserve_gib < 0:
             raise ValueError("moe_imbalance must be >= 1 and reserve_gib >= 0")
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
@@ -623,13 +664,17 @@ def layer_activation_bytes(
 
     ``a`` = activation bytes (the param dtype), ``s`` = tokens per GPU in tensor-parallel regions
     (micro-batch tokens / CP), ``t`` = tokens in sequence-parallel regions (``s / TP`` with SP),
-    ``q = heads * head_dim / TP``, ``kv = kv_heads * head_dim / TP``. Assumes flash attention (TE
-    spec: no ``s^2`` scores), no dropout, balanced routing (times ``moe_imbalance``). Terms:
+    ``q = heads * head_dim / TP``, ``kv = kv_heads * head_dim / TP``. No dropout, balanced routing
+    (times ``moe_imbalance``). Terms:
 
     * norms: input and output of both RMSNorms, ``4 t h a`` (SP: the sharded input is kept);
-    * attention: QKV output ``s (q + 2 kv) a``, q/k-norm outputs ``s (q + kv) a``, the rotated
-      q, k and v the attention kernel keeps ``s (q + 2 kv) a``, its output ``s q a`` and fp32
-      log-sum-exp ``4 s heads / TP``;
+    * attention, the parts linear in ``s``: QKV output ``s (q + 2 kv) a``, q/k-norm outputs
+      ``s (q + kv) a``, the attention output ``s q a``, and what the attention kernel keeps of its
+      inputs: TE's fused kernel the rotated q, k and v ``s (q + 2 kv) a`` and fp32 log-sum-exp
+      ``4 s heads / TP``; the local spec's ``baddbmm`` / ``bmm`` the rotated q and the k and v that
+      ``repeat_interleave`` expanded to every query head, ``3 s q a``;
+    * attention probabilities (local spec only): `attention_bytes`'s ``saved``, the ``[s, s]``
+      tensors per head;
     * MoE: fp32 router input, logits and probabilities ``4 t (h + 2 E)``; per routed
       (token, expert) pair, of which a GPU holds ``t * topk * ETP`` on average, the permuted
       input ``h``, fc1 output ``2 f / ETP``, SwiGLU output ``f / ETP`` and fc2 output ``h``, times
@@ -637,7 +682,7 @@ def layer_activation_bytes(
     * dense MLP layer: fc1 output and SwiGLU output ``3 s I a / TP``.
 
     Left out: the transient buffers of a single op (all-to-all send/receive, GEMM workspaces) and
-    the gradients being computed, which the reserve and the recomputed-layer term absorb.
+    the gradients being computed, which the reserve absorbs.
     """
     p = layout.parallel
     tp, etp = p.tensor_parallel, p.expert_tensor_parallel
@@ -646,14 +691,16 @@ def layer_activation_bytes(
     h = shape.hidden_size
     q = shape.num_heads * shape.head_dim // tp
     kv = shape.num_kv_heads * shape.head_dim // tp
+    if options.spec == "te":
+        kernel_inputs = s * (q + 2 * kv) * a + 4 * s * (shape.num_heads // tp)
+    else:
+        kernel_inputs = 3 * s * q * a
     terms = {
         "norms": 4 * t * h * a,
-        "attention": s * (q + 2 * kv) * a
-        + s * (q + kv) * a
-        + s * (q + 2 * kv) * a
-        + s * q * a
-        + 4 * s * (shape.num_heads // tp),
+        "attention": s * (q + 2 * kv) * a + s * (q + kv) * a + kernel_inputs + s * q * a,
     }
+    if options.spec == "local":
+        terms["attention probabilities"] = attention_bytes(shape, layout, options).saved
     if moe:
         pairs = math.ceil(t * shape.topk * etp * options.moe_imbalance)
         f = shape.moe_intermediate_size // etp
@@ -666,30 +713,299 @@ def layer_activation_bytes(
     return terms
 
 
+# the parts of a layer still stored when the backward reaches its attention core
+ATTENTION_PART = ("norms", "attention", "attention probabilities")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttentionBytes:
+    """The attention core of one micro-batch on one GPU beyond its inputs and output: bytes each
+    layer keeps for backward (``saved``), kept once per process (``persistent``), live on top of
+    ``saved`` at one layer's forward / backward peak (``forward`` / ``backward``), and the
+    measured surplus of a training pass (``excess``). See `attention_bytes`."""
+
+    saved: int = 0
+    persistent: int = 0
+    forward: int = 0
+    backward: int = 0
+    excess: int = 0
+    elements: int = 0  # A = b n s^2: elements of one [b n, s, s] tensor (0: fused attention)
+
+
+def attention_bytes(shape: ModelShape, layout: Layout, options: PlanOptions) -> AttentionBytes:
+    """ESTIMATE from megatron-core 0.16.1's code: one micro-batch's attention core on one GPU.
+
+    ``n = heads / TP`` heads on this GPU, ``b`` = ``micro_batch_sequences`` sequences of
+    ``s = micro_batch_tokens / b`` tokens (the local spec has no context parallelism; with SP the
+    attention sees every token), ``A = b n s^2`` elements of one ``[b n, s, s]`` tensor, ``a`` the
+    activation (param) bytes and ``c = a`` for bf16 / fp16 (``c = 0`` for fp32, which needs no
+    fp32 copy).
+
+    Local spec (``DotProductAttention``, ``FusedScaleMaskSoftmax`` on its torch path:
+    masked_softmax_fusion off, attention_softmax_in_fp32 on; dropout 0 returns its input):
+
+    * persistent: ``baddbmm`` (beta 0) reads megatron's global memory buffer ``[b n, s, s]`` in
+      the activation dtype, allocated at the largest ``s`` and kept: ``a A``;
+    * a layer's forward: scores ``[b n, s, s]`` (``a``) out of ``baddbmm``; their fp32 copy
+      (``.float()``, 4 B when ``c``) masked in place by a fresh ``[s, s]`` bool causal mask (kept
+      for backward by ``masked_fill_``); the softmax ``P`` in fp32 (kept by softmax's backward);
+      its cast ``P_a`` (``c``, kept by the ``bmm`` with v). Saved per layer:
+      ``(4 + c) A + s^2``. At the cast all four ``[b n, s, s]`` tensors are live:
+      ``forward = (a + 4 [c > 0]) A`` on top of the saved (scores and copy die when the layer's
+      attention returns);
+    * a layer's backward at the softmax: ``bmm``'s backward has freed ``P_a``; live are ``P``, its
+      gradient and the gradient of the fp32 copy, three fp32 ``[b n, s, s]``: ``12 A``, i.e.
+      ``backward = (8 - c) A`` on top of the saved;
+    * excess: `LOCAL_ATTENTION_EXCESS_BYTES` ``A`` (measured on an H200, not read from the code),
+      counted at the attention phases of a training pass.
+
+    bf16, per head and sequence: 6 B s^2 kept per layer, 2 B s^2 persistent, 12 B s^2 at either
+    peak of the last layer. TE spec (fused / flash attention): no ``[s, s]`` tensor; its fp32
+    softmax statistics (``4 s heads / TP``) are in `layer_activation_bytes`, and its backward
+    allocates dq, dk and dv, ``s (q + 2 kv) a`` (the kernel's workspace left out).
+    """
+    p = layout.parallel
+    a = options.param_bytes
+    if options.spec == "te":
+        s, _ = _token_counts(layout, options.micro_batch_tokens)
+        q = shape.num_heads * shape.head_dim // p.tensor_parallel
+        kv = shape.num_kv_heads * shape.head_dim // p.tensor_parallel
+        return AttentionBytes(backward=s * (q + 2 * kv) * a)
+    b = options.micro_batch_sequences
+    s = options.micro_batch_tokens // b
+    elements = b * (shape.num_heads // p.tensor_parallel) * s * s
+    c = a if a < 4 else 0
+    return AttentionBytes(
+        saved=(4 + c) * elements + s * s,
+        persistent=a * elements,
+        forward=(a + (4 if c else 0)) * elements,
+        backward=(8 - c) * elements,
+        excess=LOCAL_ATTENTION_EXCESS_BYTES * elements,
+        elements=elements,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Phase:
+    """A moment of the training step and the estimated bytes live then besides the static terms."""
+
+    name: str
+    terms: tuple[Term, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(term.nbytes for term in self.terms if term.on_gpu)
+
+
+PHASE_FORWARD = "forward: last layer's attention"
+PHASE_END = "end of forward"
+PHASE_LOGPROBS = "log-probs backward: logits, their gradient, a tile"
+PHASE_RECOMPUTED = "backward: a recomputed layer"
+PHASE_BACKWARD = "backward: last layer's attention"
+PHASE_OLD_LOGPROBS = "old-logprob pass: logits, entropy tiles"
+PHASE_GRAD_CHECK = "optimizer step: gradient check"
+PHASE_ADAM = "optimizer step: Adam"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredActivations:
+    """Stored activations of the micro-batches in flight on a GPU (see `stored_activations`)."""
+
+    end: int  # at the end of the newest micro-batch's forward
+    attention: int  # when the newest micro-batch is in its last layer's attention core
+    recomputed: int  # full recompute: ``end`` + the whole activations of one recomputed layer
+    note: str
+
+
+def stored_activations(
+    shape: ModelShape, layout: Layout, options: PlanOptions, params: StageParams
+) -> StoredActivations:
+    """ESTIMATE: the stored activations on a GPU of ``params.stage``, with ``PP - stage``
+    micro-batches in flight (1F1B).
+
+    No recompute: per micro-batch, every layer's `layer_activation_bytes` and, on the last stage,
+    the final norm's ``2 t h a``; in its last layer's attention core (forward, or backward once
+    the layer's MLP part is freed) the newest micro-batch holds the layers before it and the last
+    layer's `ATTENTION_PART`. Full recompute (one layer per checkpoint): per micro-batch each
+    layer's input ``t h a`` (+ the final norm); the layer being recomputed adds its
+    `ATTENTION_PART` (in its attention core) or all of its activations (its MLP backward).
+    """
+    s, t = _token_counts(layout, options.micro_batch_tokens)
+    h, a = shape.hidden_size, options.param_bytes
+    final_norm = 2 * t * h * a if params.stage == layout.parallel.pipeline_parallel - 1 else 0
+    first = sum(layout.stage_layers(shape.num_layers)[: params.stage])
+    pattern = shape.moe_pattern[first : first + params.layers]
+    layers = [layer_activation_bytes(shape, layout, options, moe=bool(sp)) for sp in pattern]
+    whole = [sum(layer.values()) for layer in layers]
+    part = [sum(v for k, v in layer.items() if k in ATTENTION_PART) for layer in layers]
+    in_flight = layout.parallel.pipeline_parallel - params.stage
+    tokens = f"s={s:,} t={t:,} tokens" + (
+        "; with [s, s] probabilities" if options.spec == "local" else ""
+    )
+    if options.recompute == "full":
+        kept = in_flight * params.layers * t * h * a + final_norm
+        note = f"{in_flight} x {params.layers} layer inputs (t h a); {tokens}"
+        return StoredActivations(kept, kept + max(part), kept + max(whole), note)
+    one = sum(whole) + final_norm
+    at_attention = in_flight * one - final_norm - whole[-1] + part[-1]
+    note = f"{in_flight} x {params.layers} layers, no recompute; {tokens}"
+    return StoredActivations(in_flight * one, at_attention, 0, note)
+
+
+def _nonzero(*terms: Term) -> tuple[Term, ...]:
+    return tuple(term for term in terms if term.nbytes or term.name == "activations")
+
+
+def _attention_phases(
+    shape: ModelShape, layout: Layout, options: PlanOptions, stored: StoredActivations
+) -> list[Phase]:
+    """The last layer's attention core, forward and backward (`attention_bytes`): the stored
+    activations, the core's transient bytes and, in a training pass with the local spec, the
+    measured excess (a full-recompute forward runs without grad: no excess there)."""
+    att = attention_bytes(shape, layout, options)
+    dims = _matrix_text(shape, layout, options)
+    a = options.param_bytes
+    activations = Term("activations", stored.attention, False, note=stored.note)
+    excess = Term(
+        "attention: measured excess",
+        att.excess,
+        False,
+        note=f"{LOCAL_ATTENTION_EXCESS_BYTES} B x [{dims}], seen on an H200, not in the code",
+    )
+    if options.spec == "local":
+        forward_note = f"scores ({a} B) + their fp32 copy x [{dims}]"
+        backward_note = f"P, dP, dscores fp32 x [{dims}] less the saved P"
+    else:
+        forward_note, backward_note = "", "dq, dk, dv"
+    forward = Term("attention: forward", att.forward, False, note=forward_note)
+    backward = Term("attention: backward", att.backward, False, note=backward_note)
+    no_grad = options.recompute == "full"
+    return [
+        Phase(PHASE_FORWARD, _nonzero(activations, forward, *(() if no_grad else (excess,)))),
+        Phase(PHASE_BACKWARD, _nonzero(activations, backward, excess)),
+    ]
+
+
+def _logits_phases(
+    shape: ModelShape, layout: Layout, options: PlanOptions, stored: StoredActivations, last: bool
+) -> list[Phase]:
+    """End of the forward (a stage before the last), or on the last stage the log-probs
+    backward (`megatron_rl.train.logprobs`: the logits ``[s, V / TP]``, their gradient in the
+    activation dtype and one fp32 ``[chunk, V / TP]`` tile, on top of every stored activation;
+    the logits die before the layers' backward) and the old-logprob pass (no grad: the logits
+    and the entropy's two fp32 tiles); with full recompute also a recomputed layer's backward."""
+    activations = Term("activations", stored.end, False, note=stored.note)
+    phases = []
+    if stored.recomputed:
+        phases.append(
+            Phase(PHASE_RECOMPUTED, (dataclasses.replace(activations, nbytes=stored.recomputed),))
+        )
+    if not last:
+        return [Phase(PHASE_END, (activations,)), *phases]
+    s, _ = _token_counts(layout, options.micro_batch_tokens)
+    vocab = shape.vocab_size // layout.parallel.tensor_parallel
+    chunk = min(options.logprob_chunk_tokens, s)
+    a = options.param_bytes
+    logits = Term("logits", s * vocab * a, False, note=f"[{s:,} x {vocab:,}] x {a} B")
+    tile = f"[{chunk:,} x {vocab:,}] fp32"
+    gradient = dataclasses.replace(logits, name="logits gradient")
+    logprob = Term("log-prob tile", 4 * chunk * vocab, False, note=tile)
+    entropy = Term("entropy tiles", 8 * chunk * vocab, False, note=f"2 x {tile}")
+    return [
+        Phase(PHASE_LOGPROBS, (activations, logits, gradient, logprob)),
+        Phase(PHASE_OLD_LOGPROBS, (logits, entropy)),
+        *phases,
+    ]
+
+
+def _step_phases(options: PlanOptions, buffers: list[GradBuffer], elements: int) -> list[Phase]:
+    """The optimizer step: the trainer's finiteness check (`PolicyOptimizer._grads_finite`:
+    ``torch.isfinite(grad_data).all()`` per grad buffer, i.e. ``(x == x) * (x.abs() != inf)``,
+    an fp32 copy and three bool tensors live at once: ``7 B`` per element of the largest buffer,
+    or of ``grad_check_chunk_elements``); then, with the local spec (torch's AdamW, foreach),
+    Adam's ``sqrt(v)`` temporary, ``4 B`` per optimizer element on the GPU (TE's FusedAdam makes
+    none). The activations are freed by then."""
+    checked = max(buffer.numel for buffer in buffers)
+    if options.grad_check_chunk_elements is not None:
+        checked = min(checked, options.grad_check_chunk_elements)
+    note = f"isfinite of {checked:,} fp32 grad-buffer elements: |x| fp32 + 3 bool"
+    phases = [Phase(PHASE_GRAD_CHECK, (Term("gradient check", 7 * checked, True, note=note),))]
+    if options.spec == "local":
+        note = f"torch AdamW (foreach): fp32 sqrt(v) of {elements:,} elements"
+        phases.append(Phase(PHASE_ADAM, (Term("Adam temporaries", 4 * elements, True, note=note),)))
+    return phases
+
+
+def stage_phases(
+    shape: ModelShape,
+    layout: Layout,
+    options: PlanOptions,
+    params: StageParams,
+    buffers: list[GradBuffer],
+    optimizer_elements: int,
+) -> list[Phase]:
+    """ESTIMATE: the phases of one training step on a GPU of ``params.stage``, each with what
+    lives then besides the static terms: `_attention_phases`, `_logits_phases`, `_step_phases`.
+    ``optimizer_elements``: the parameter elements whose Adam state is on this GPU."""
+    stored = stored_activations(shape, layout, options, params)
+    last = params.stage == layout.parallel.pipeline_parallel - 1
+    forward, backward = _attention_phases(shape, layout, options, stored)
+    return [
+        forward,
+        *_logits_phases(shape, layout, options, stored, last),
+        backward,
+        *_step_phases(options, buffers, optimizer_elements),
+    ]
+
+
+def _matrix_text(shape: ModelShape, layout: Layout, options: PlanOptions) -> str:
+    """``b n, s, s`` of one micro-batch's attention matrices on a GPU, as text."""
+    b = options.micro_batch_sequences
+    s = options.micro_batch_tokens // b
+    n = shape.num_heads // layout.parallel.tensor_parallel
+    return f"{b * n}, {s:,}, {s:,}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StagePlan:
+    """A GPU of one pipeline stage: the terms live for the whole step and the phases."""
+
     params: StageParams
-    terms: tuple[Term, ...]
+    static: tuple[Term, ...]
+    phases: tuple[Phase, ...] = ()
+
+    @property
+    def peak_phase(self) -> Phase | None:
+        """The phase with the most bytes (ties: the later one)."""
+        return max(reversed(self.phases), key=lambda phase: phase.nbytes, default=None)
+
+    @property
+    def terms(self) -> tuple[Term, ...]:
+        """The static terms and those of the peak phase: what is live at the peak."""
+        peak = self.peak_phase
+        return self.static + (peak.terms if peak else ())
 
     @property
     def gpu_bytes(self) -> int:
         return sum(term.nbytes for term in self.terms if term.on_gpu)
 
     def term(self, name: str) -> Term:
-        return next(term for term in self.terms if term.name == name)
+        """The term called ``name`` live at the peak (else the first phase that has one)."""
+        every = self.terms + tuple(t for phase in self.phases for t in phase.terms)
+        return next(term for term in every if term.name == name)
 
 
-def _stage_terms(
-    shape: ModelShape, layout: Layout, options: PlanOptions, params: StageParams
-) -> list[Term]:
+def _static_terms(
+    shape: ModelShape,
+    layout: Layout,
+    options: PlanOptions,
+    params: StageParams,
+    buffers: list[GradBuffer],
+) -> tuple[list[Term], int]:
+    """The terms live for the whole step, and the optimizer elements kept on the GPU."""
     p = layout.parallel
-    pp, tp = p.pipeline_parallel, p.tensor_parallel
     a = options.param_bytes
     dtype = options.params_dtype
-    last = params.stage == pp - 1
-    buffers = grad_buffers(
-        shape, layout, params.stage, distributed_optimizer=options.distributed_optimizer
-    )
     padding = sum(buffer.numel - buffer.param_numel for buffer in buffers)
     terms = [
         Term("parameters: dense", params.dense * a, True, note=f"{params.dense:,} x {dtype}"),
@@ -749,47 +1065,18 @@ def _stage_terms(
             )
         )
 
-    # activations (estimate)
-    s, t = _token_counts(layout, options.micro_batch_tokens)
-    h = shape.hidden_size
-    per_stage = layout.stage_layers(shape.num_layers)
-    first = sum(per_stage[: params.stage])
-    pattern = shape.moe_pattern[first : first + params.layers]
-    layer_bytes = {
-        sparse: sum(layer_activation_bytes(shape, layout, options, moe=bool(sparse)).values())
-        for sparse in set(pattern)
-    }
-    in_flight = pp - params.stage  # 1F1B: micro-batches whose backward is pending
-    final_norm = 2 * t * h * a if last else 0
-    if options.recompute == "full":
-        kept = in_flight * params.layers * t * h * a
-        acts = kept + max(layer_bytes.values()) + final_norm
-        note = (
-            f"{in_flight} x {params.layers} layer inputs (t h a) + one recomputed layer"
-            f"; s={s:,} t={t:,} tokens"
+    attention = attention_bytes(shape, layout, options)
+    if attention.persistent:
+        terms.append(
+            Term(
+                "attention scores buffer",
+                attention.persistent,
+                False,
+                note=f"megatron's global memory buffer [{_matrix_text(shape, layout, options)}], "
+                f"{dtype}: baddbmm's input, kept",
+            )
         )
-    else:
-        acts = in_flight * sum(layer_bytes[sparse] for sparse in pattern) + final_norm
-        note = f"{in_flight} x {params.layers} layers, no recompute; s={s:,} t={t:,} tokens"
-    terms.append(Term("activations", acts, False, note=note))
-    if last:
-        vocab = shape.vocab_size // tp
-        chunk = min(options.logprob_chunk_tokens, s)
-        terms += [
-            Term(
-                "logits",
-                2 * s * vocab * a,
-                False,
-                note=f"[{s:,} x {vocab:,}] {dtype}, value + gradient",
-            ),
-            Term(
-                "log-prob/entropy chunk",
-                2 * chunk * vocab * 4,
-                False,
-                note=f"2 x [{chunk:,} x {vocab:,}] fp32 tiles (the copy and its exp)",
-            ),
-        ]
-
+    _, t = _token_counts(layout, options.micro_batch_tokens)
     if options.routing_replay != "off":
         codec = RoutingCodec(shape.num_experts, shape.topk, options.routing_codec)
         if options.routing_tokens is not None:
@@ -838,7 +1125,8 @@ def _stage_terms(
             note="CUDA context, NCCL buffers, allocator fragmentation (assumed)",
         )
     )
-    return terms
+    per_param = 8 + (4 if a < 4 else 0)
+    return terms, (dense_opt + expert_opt) // per_param
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -862,10 +1150,15 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.total_bytes <= self.gpu_gib * GIB
 
+    @property
+    def attention(self) -> AttentionBytes:
+        """The attention core of one micro-batch (the same on every stage)."""
+        return attention_bytes(self.shape, self.layout, self.options)
+
     def to_dict(self) -> dict[str, Any]:
         p = self.layout.parallel
 
-        def terms(stage: StagePlan) -> list[dict[str, Any]]:
+        def terms(items: tuple[Term, ...]) -> list[dict[str, Any]]:
             return [
                 {
                     "name": term.name,
@@ -875,7 +1168,18 @@ class MemoryPlan:
                     "on_gpu": term.on_gpu,
                     "note": term.note,
                 }
-                for term in stage.terms
+                for term in items
+            ]
+
+        def phases(stage: StagePlan) -> list[dict[str, Any]]:
+            return [
+                {
+                    "name": phase.name,
+                    "bytes": phase.nbytes,
+                    "gib": round(phase.nbytes / GIB, 4),
+                    "terms": terms(phase.terms),
+                }
+                for phase in stage.phases
             ]
 
         return {
@@ -906,11 +1210,15 @@ class MemoryPlan:
                     "expert_params": stage.params.expert,
                     "gpu_bytes": stage.gpu_bytes,
                     "gpu_gib": round(stage.gpu_bytes / GIB, 4),
-                    "terms": terms(stage),
+                    "peak_phase": stage.peak_phase.name,
+                    "terms": terms(stage.terms),  # static + the peak phase's: they sum to gpu_bytes
+                    "phases": phases(stage),
                 }
                 for stage in self.stages
             ],
+            "attention": {"spec": self.options.spec, **dataclasses.asdict(self.attention)},
             "peak_stage": self.peak.params.stage,
+            "peak_phase": self.peak.peak_phase.name,
             "total_bytes": self.total_bytes,
             "total_gib": round(self.total_bytes / GIB, 4),
             "gpu_gib": self.gpu_gib,
@@ -927,8 +1235,18 @@ def plan_memory(
     layout.validate(shape)
     if gpu_gib <= 0:
         raise ValueError(f"gpu_gib={gpu_gib}: must be > 0")
+    if options.spec == "local" and layout.parallel.context_parallel > 1:
+        raise ValueError(
+            "the local spec has no context parallelism (megatron's DotProductAttention asserts "
+            "context_parallel_size == 1); use spec='te'"
+        )
     stages = []
     for stage in range(layout.parallel.pipeline_parallel):
         params = stage_params(shape, layout, stage)
-        stages.append(StagePlan(params, tuple(_stage_terms(shape, layout, options, params))))
+        buffers = grad_buffers(
+            shape, layout, stage, distributed_optimizer=options.distributed_optimizer
+        )
+        static, elements = _static_terms(shape, layout, options, params, buffers)
+        phases = stage_phases(shape, layout, options, params, buffers, elements)
+        stages.append(StagePlan(params, tuple(static), tuple(phases)))
     return MemoryPlan(shape, layout, options, tuple(stages), float(gpu_gib))

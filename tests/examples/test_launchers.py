@@ -504,7 +504,7 @@ def test_235b_memory_plan_of_the_launched_layout_fits_and_no_pipeline_does_not()
     plan = _plan_of(config, 32)
     assert plan.layout.stage_layers(94) == (23, 24, 24, 23)
     assert plan.fits, plan.total_bytes / 2**30
-    assert 60 < plan.total_bytes / 2**30 < 70  # the run script's comment: 66.3 GiB on stage 3
+    assert 60 < plan.total_bytes / 2**30 < 70  # the run script's comment: 65.4 GiB on stage 1
     assert plan.peak.term("reference model").on_gpu
     host = plan.peak.term("optimizer: offloaded to host")
     assert not host.on_gpu and 100 * 2**30 < host.nbytes < 115 * 2**30
@@ -512,9 +512,12 @@ def test_235b_memory_plan_of_the_launched_layout_fits_and_no_pipeline_does_not()
     assert not _plan_of(config, 32, offload=0.0).fits
     assert _plan_of(config, 32, offload=0.9).fits
     assert not _plan_of(config, 32, offload=0.8).fits
-    # without pipeline parallelism on the same 32 GPUs: no EP fits this arm
-    for ep in (8, 16, 32):
+    # without pipeline parallelism on the same 32 GPUs: EP8 and EP16 do not fit this arm, EP32
+    # only just (the plan's peak-phase timeline, chunked gradient check: < 2 GiB to spare)
+    for ep in (8, 16):
         assert not _plan_of(config, 32, pp=1, ep=ep, first=None, last=None).fits, ep
+    ep32 = _plan_of(config, 32, pp=1, ep=32, first=None, last=None)
+    assert ep32.fits and 78 < ep32.total_bytes / 2**30 < 80, ep32.total_bytes / 2**30
     no_pp = _plan_of(config, 32, pp=1, ep=16, first=None, last=None).peak
     params_and_grads = sum(
         no_pp.term(name).nbytes

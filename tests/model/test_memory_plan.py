@@ -1,9 +1,12 @@
 """The memory plan's counted terms are exact: against the real tiny model (parameters, DDP grad
 buffers, Adam state after a step), a meta-device HF model (total parameters), hand-computed
-per-rank splits of Qwen3-30B-A3B, and `megatron_rl.routing.memory`; plus validation and the CLI."""
+per-rank splits of Qwen3-30B-A3B, and `megatron_rl.routing.memory`. Its estimates: the local
+spec's attention matrices against a CPU trace of megatron's code, and the peak timeline against
+the H200's measured peaks of the GPU smoke's slice; plus validation and the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -16,13 +19,22 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_rl.backend.grad_check import GRAD_CHECK_CHUNK_ELEMENTS
 from megatron_rl.model.memory import (
     GIB,
+    PHASE_ADAM,
+    PHASE_BACKWARD,
+    PHASE_FORWARD,
+    PHASE_GRAD_CHECK,
+    PHASE_LOGPROBS,
     Layout,
     ModelShape,
     ParamTensor,
     PlanOptions,
+    attention_bytes,
     grad_buffers,
     layer_activation_bytes,
     load_model_config,
@@ -31,6 +43,7 @@ from megatron_rl.model.memory import (
     optimizer_state_bytes,
     plan_memory,
     stage_params,
+    stored_activations,
 )
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.routing import RoutingCodec, routing_state_bytes
@@ -153,7 +166,6 @@ def _adam_state_bytes(inner) -> tuple[int, int]:
 
 @pytest.mark.parametrize("case", list(TINY_CASES))
 def test_optimizer_state_matches_the_optimizer_after_one_step(ws1, case):
-    import dataclasses
 
     from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer
     from megatron_rl.model import causal_lm_logits
@@ -440,10 +452,15 @@ def test_optimizer_cpu_offload_moves_the_shard_to_host_memory():
             # per element on the host: fp32 master, m, v (12 B, as on the GPU) + a grad copy
             assert abs(host.nbytes - fraction * state * 16 / 12) <= 16
             assert before.gpu_bytes - after.gpu_bytes == state - kept
-    # 235B on 32 GPUs: only with the optimizer state offloaded
+    # 235B on 32 GPUs: only with the optimizer state offloaded, and only because the trainer's
+    # finiteness check runs in chunks (`backend.grad_check`): over a whole 7.2G-element expert
+    # grad buffer at once it held 7 B per element (47 GiB) at the optimizer step (issue 22)
     assert not base.fits
     full = PlanOptions(micro_batch_tokens=18432, optimizer_offload_fraction=1.0)
     assert plan_memory(config, layout, full).fits
+    whole = dataclasses.replace(full, grad_check_chunk_elements=None)
+    assert not plan_memory(config, layout, whole).fits
+    assert plan_memory(config, layout, whole).peak.peak_phase.name == PHASE_GRAD_CHECK
     with pytest.raises(ValueError, match="needs distributed_optimizer"):
         PlanOptions(distributed_optimizer=False, optimizer_offload_fraction=0.5)
     with pytest.raises(ValueError, match="must be in"):
@@ -478,7 +495,8 @@ def test_activation_estimate_formula_and_recompute():
     config = load_model_config("qwen3-30b-a3b")
     layout = _layout(16, tensor_parallel=2, expert_parallel=8)
     options = PlanOptions(micro_batch_tokens=18432)
-    terms = layer_activation_bytes(ModelShape.from_hf(config), layout, options, moe=True)
+    shape = ModelShape.from_hf(config)
+    terms = layer_activation_bytes(shape, layout, options, moe=True)
     s, t, a = 18432, 9216, 2
     q, kv = 32 * D // 2, 4 * D // 2
     assert terms["norms"] == 4 * t * H * a
@@ -488,11 +506,199 @@ def test_activation_estimate_formula_and_recompute():
     assert terms["router"] == 4 * t * (H + 2 * E)
     assert terms["experts"] == t * 8 * (2 * H + 3 * F_MOE) * a
     layer = sum(terms.values())
-    full = plan_memory(config, layout, options).stages[0].term("activations").nbytes
-    none = plan_memory(config, layout, PlanOptions(micro_batch_tokens=18432, recompute="none"))
-    assert full == 48 * t * H * a + layer + 2 * t * H * a
-    assert none.stages[0].term("activations").nbytes == 48 * layer + 2 * t * H * a
-    assert not none.fits  # 48 layers of activations at 18k tokens do not fit 80 GiB
+    # the stored activations are a timeline now (issue 22): at the end of the forward, the
+    # layer inputs (full recompute) or every layer (none), + the final norm; a recomputed layer's
+    # backward adds that layer's activations. The old single "activations" term was the sum.
+    params = stage_params(shape, layout, 0)
+    full = stored_activations(shape, layout, options, params)
+    assert full.end == 48 * t * H * a + 2 * t * H * a
+    assert full.recomputed == full.end + layer
+    none_options = PlanOptions(micro_batch_tokens=18432, recompute="none")
+    none = stored_activations(shape, layout, none_options, params)
+    assert none.end == 48 * layer + 2 * t * H * a
+    assert none.recomputed == 0
+    # at the last layer's attention its MLP part is not stored (yet / any more), nor the final norm
+    mlp = terms["router"] + terms["experts"]
+    assert none.attention == 48 * layer - mlp
+    assert not plan_memory(config, layout, none_options).fits  # 48 layers at 18k: not in 80 GiB
+
+
+def test_local_spec_keeps_the_unfused_attention_matrices():
+    """`layer_activation_bytes` of the local spec: the kernel keeps GQA-expanded k and v (every
+    query head) and no log-sum-exp, and each layer keeps its [heads, s, s] probabilities."""
+    shape = ModelShape.from_hf(load_model_config("qwen3-30b-a3b"))
+    layout = _layout(16, tensor_parallel=2, expert_parallel=8)
+    te = layer_activation_bytes(shape, layout, PlanOptions(micro_batch_tokens=4096), moe=True)
+    options = PlanOptions(micro_batch_tokens=4096, spec="local")
+    local = layer_activation_bytes(shape, layout, options, moe=True)
+    s, a, q, kv = 4096, 2, 32 * D // 2, 4 * D // 2
+    assert local["attention"] - te["attention"] == s * a * (3 * q - (q + 2 * kv)) - 4 * s * 16
+    assert local["attention probabilities"] == attention_bytes(shape, layout, options).saved
+    assert "attention probabilities" not in te
+
+
+def test_attention_terms_follow_megatrons_dot_product_attention():
+    """bf16: per layer fp32 P + bf16 P + the [s, s] bool mask kept; the bf16 global scores buffer
+    kept once; at a layer's softmax cast the scores and their fp32 copy on top (6 B), at its
+    softmax backward P, dP and dscores in fp32 (12 B) instead of the saved 6 B. fp32 has no copy
+    and no cast. TE's fused attention has no [s, s] tensor."""
+    shape = ModelShape.from_hf(load_model_config("qwen3-30b-a3b"))
+    layout = _layout(2, tensor_parallel=2)
+    s, n = 4096, 16  # 32 heads over TP 2
+    A = 2 * n * (s // 2) ** 2  # two sequences of 2,048 tokens
+    bf16 = attention_bytes(
+        shape, layout, PlanOptions(micro_batch_tokens=s, micro_batch_sequences=2, spec="local")
+    )
+    assert (bf16.elements, bf16.saved, bf16.persistent) == (A, 6 * A + (s // 2) ** 2, 2 * A)
+    assert (bf16.forward, bf16.backward, bf16.excess) == (6 * A, 6 * A, 4 * A)
+    assert bf16.saved - (s // 2) ** 2 + bf16.backward == 12 * A  # three fp32 [b n, s, s]
+    fp32_options = PlanOptions(params_dtype="float32", micro_batch_tokens=s, spec="local")
+    fp32 = attention_bytes(shape, layout, fp32_options)
+    A = n * s * s
+    assert (fp32.saved, fp32.persistent, fp32.forward, fp32.backward) == (
+        4 * A + s * s,
+        4 * A,
+        4 * A,
+        8 * A,
+    )
+    te = attention_bytes(shape, layout, PlanOptions(micro_batch_tokens=s))
+    q, kv = 32 * D // 2, 4 * D // 2
+    assert (te.saved, te.persistent, te.forward, te.excess) == (0, 0, 0, 0)
+    assert te.backward == s * (q + 2 * kv) * 2  # dq, dk, dv
+    with pytest.raises(ValueError, match="no context parallelism"):
+        plan_memory(shape, _layout(2, context_parallel=2), PlanOptions(spec="local"))
+
+
+class _SquareTensorBytes(TorchDispatchMode):
+    """Bytes of live storages created (not viewed) under this mode whose tensors end in ``[s, s]``:
+    the attention matrices and masks; the peak before and after ``mark_backward()``."""
+
+    def __init__(self, s: int) -> None:
+        super().__init__()
+        self.s, self.live, self.peaks, self.phase = s, {}, [0, 0], 0
+
+    def mark_backward(self) -> None:
+        self.phase = 1
+
+    @property
+    def nbytes(self) -> int:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            del self.live[key]
+        return sum(nbytes for _, nbytes in self.live.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for tensor in pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and tensor.shape[-2:] == (self.s, self.s):
+                    ref = StorageWeakRef(tensor.untyped_storage())
+                    self.live.setdefault(ref.cdata, (ref, tensor.untyped_storage().nbytes()))
+        self.peaks[self.phase] = max(self.peaks[self.phase], self.nbytes)
+        return out
+
+
+def test_local_attention_terms_match_a_cpu_trace_of_megatrons_code(ws1):
+    """The tiny bf16 model on the local spec (megatron-core's own DotProductAttention and
+    softmax): every [.., s, s] storage its forward and backward create, followed op by op, gives
+    exactly `attention_bytes`'s saved / forward / backward counts. (The H200's measured excess is
+    on top of these; the persistent scores buffer exists from the first, no-grad forward.)"""
+    from megatron_rl.model import ModelOptions, build_model
+    from megatron_rl.train.logprobs import forward_logits
+
+    config = load_model_config("tiny")
+    model = build_model(config, ModelOptions(dtype="bfloat16"), spec="local")
+    s = 96  # not the vocabulary (512), hidden (64) or a head's width
+    tokens = torch.randint(0, config.vocab_size, (1, s), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        forward_logits(model, tokens)  # megatron allocates its global scores buffer here
+    tracker = _SquareTensorBytes(s)
+    with tracker:
+        logits = forward_logits(model, tokens)
+        after_forward = tracker.nbytes
+        tracker.mark_backward()
+        logits.float().square().mean().backward()
+    options = PlanOptions(micro_batch_tokens=s, spec="local")
+    att = attention_bytes(ModelShape.from_hf(config), _layout(), options)
+    layers = config.num_hidden_layers
+    assert after_forward == layers * att.saved
+    assert tracker.peaks[0] == layers * att.saved + att.forward  # the last layer's softmax cast
+    assert tracker.peaks[1] == layers * att.saved + att.backward  # its softmax backward
+    print("saved per layer", att.saved, "peaks", tracker.peaks)
+
+
+# The H200's steady-state peaks (GiB, torch.cuda.max_memory_allocated of the second update, Adam's
+# moments allocated) of the Qwen3-30B-A3B-shaped 2-layer slice that tools/gpu_smoke.py (d) runs:
+# one GPU, bf16, local spec, distributed optimizer, no recompute, one sequence of 4,096 / 8,192
+# tokens. From the README's H200 run (torch 2.11 + CUDA 13, megatron-core 0.16.1). The plan said
+# 43.6 / 59.2 before the attention term and the timeline (issue 22).
+H200_SLICE_PEAK_GIB = {4096: 44.6, 8192: 81.4}
+
+
+def _slice_plan(tokens: int):
+    config = load_model_config("qwen3-30b-a3b", num_hidden_layers=2)
+    options = PlanOptions(
+        params_dtype="bfloat16",
+        distributed_optimizer=True,
+        recompute="none",
+        micro_batch_tokens=tokens,
+        reserve_gib=0.0,
+        spec="local",
+        grad_check_chunk_elements=None,  # the H200 run's trainer checked whole buffers
+    )
+    return plan_memory(config, _layout(1), options, gpu_gib=141)
+
+
+@pytest.mark.parametrize("tokens", sorted(H200_SLICE_PEAK_GIB))
+def test_slice_plan_predicts_the_h200_steady_state_peak(tokens):
+    measured = H200_SLICE_PEAK_GIB[tokens]
+    plan = _slice_plan(tokens)
+    predicted = plan.total_bytes / GIB
+    assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
+    stage = plan.peak
+    # the peak is the static terms + one phase; the logits die before the layers' backward
+    phases = {phase.name: phase for phase in stage.phases}
+    assert "logits" in {term.name for term in phases[PHASE_LOGPROBS].terms}
+    assert "logits" not in {term.name for term in phases[PHASE_BACKWARD].terms}
+    assert stage.gpu_bytes == sum(t.nbytes for t in stage.static) + stage.peak_phase.nbytes
+    assert stage.peak_phase.nbytes == max(phase.nbytes for phase in stage.phases)
+    if tokens == 8192:  # the [heads, s, s] matrices decide
+        assert stage.peak_phase.name in (PHASE_FORWARD, PHASE_BACKWARD)
+    print(tokens, f"plan {predicted:.2f} GiB at {stage.peak_phase.name}; H200 {measured} GiB")
+
+
+def test_cli_reproduces_the_slice(capsys):
+    tool = _load_tool()
+    argv = ["--model", "qwen3-30b-a3b", "--num-layers", "2", "--spec", "local"]
+    argv += ["--recompute", "none", "--reserve-gib", "0", "--gpu-gib", "141"]
+    assert tool.main([*argv, "--micro-batch-tokens", "8192", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["total_bytes"] == _slice_plan(8192).total_bytes
+    assert plan["peak_phase"] == PHASE_BACKWARD and plan["attention"]["spec"] == "local"
+    assert tool.main([*argv, "--micro-batch-tokens", "4096"]) == 0
+    out = capsys.readouterr().out
+    for expected in ("attention (local, unfused)", "<- peak", "FITS in 141 GiB", "needed at"):
+        assert expected in out, expected
+
+
+def test_step_phases_gradient_check_and_adam():
+    """The trainer's isfinite over a whole fp32 grad buffer holds |x| and three bool tensors of
+    its size (7 B per element); torch's AdamW (local spec) a fp32 sqrt(v) per optimizer element."""
+    config = load_model_config("qwen3-30b-a3b")
+    layout = _layout(16, tensor_parallel=2, expert_parallel=8)
+    whole = PlanOptions(micro_batch_tokens=4096, grad_check_chunk_elements=None)
+    stage = plan_memory(config, layout, whole).stages[0]
+    check = {phase.name: phase for phase in stage.phases}[PHASE_GRAD_CHECK]
+    assert check.nbytes == 7 * 3_623_878_656  # the expert buffer, the larger of the two
+    assert PHASE_ADAM not in {phase.name for phase in stage.phases}  # TE's FusedAdam
+    stage = plan_memory(config, layout, PlanOptions(micro_batch_tokens=4096)).stages[0]
+    chunk = GRAD_CHECK_CHUNK_ELEMENTS  # the trainer's chunk (backend/grad_check.py)
+    assert {phase.name: phase for phase in stage.phases}[PHASE_GRAD_CHECK].nbytes == 7 * chunk
+    local = plan_memory(config, layout, PlanOptions(micro_batch_tokens=4096, spec="local"))
+    adam = {phase.name: phase for phase in local.stages[0].phases}[PHASE_ADAM]
+    elements = 776_943_616 // 8 + 3_623_878_656 // 2  # the shards of the dense and expert buffers
+    assert adam.nbytes == 4 * elements
 
 
 # ------------------------------------------------------------------------- validation, CLI
@@ -551,10 +757,15 @@ def test_cli_pipeline_flags_and_offload(capsys):
     argv = ["--model", "qwen3-235b-a22b", "--tp", "4", "--pp", "4", "--ep", "8"]
     argv += ["--world-size", "32", "--micro-batch-tokens", "18432", "--json"]
     uneven = ["--decoder-first-pipeline-num-layers", "23", "--decoder-last-pipeline-num-layers"]
-    assert tool.main([*argv, *uneven, "23", "--optimizer-offload-fraction", "1"]) == 0
+    chunked = ["--optimizer-offload-fraction", "1", "--grad-check-chunk-elements", str(2**26)]
+    assert tool.main([*argv, *uneven, "23", *chunked]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["layout"]["pipeline_layers"] == [23, 24, 24, 23] and plan["fits"]
-    assert tool.main([*argv, "--pipeline-layers", "23,24,24,23"]) == 0
+    whole = [*chunked[:3], "0"]  # the whole-buffer check (the trainer before it chunked)
+    assert tool.main([*argv, *uneven, "23", *whole]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert not plan["fits"] and plan["peak_phase"] == PHASE_GRAD_CHECK
+    assert tool.main([*argv, "--pipeline-layers", "23,24,24,23", *chunked[2:]]) == 0
     assert not json.loads(capsys.readouterr().out)["fits"]  # no offload
     assert tool.main([*argv, *uneven, "22"]) == 2
     assert "do not split evenly" in capsys.readouterr().err
