@@ -388,12 +388,23 @@ def test_aborted_samples_are_generated_again_and_counted(servers):
         return None
 
     server.before_request = stall_two
-    timer = threading.Timer(1.0, lambda: server.handle("/abort_request", {"abort_all": True}))
-    timer.start()
-    with client_for([server], request_timeout_s=60.0) as client:
+    server.stall_s = 600.0  # the stalled pair waits for the abort, however loaded the machine
+
+    def abort_once_both_stall():  # no timer decides it: the abort comes once both are running
+        while True:
+            with server._state:
+                running = list(server._running.values())
+            if sum(rid in stalled for rid in running) >= 2:
+                break
+            time.sleep(0.01)
+        server.handle("/abort_request", {"abort_all": True})
+
+    aborter = threading.Thread(target=abort_once_both_stall, daemon=True)
+    aborter.start()
+    with client_for([server], request_timeout_s=600.0) as client:
         samples = client.generate(PROMPTS, PARAMS, n=N)
         assert client.take_aborted() == 2 and client.take_aborted() == 0
-    timer.join()
+    aborter.join()
     assert len(samples) == len(PROMPTS) * N
     assert all(s.finish_reason != "abort" for s in samples)
     assert server.requests.count("/generate") == len(PROMPTS) * N + 2

@@ -41,11 +41,15 @@ def _wait_worker(rank, world_size, init_method, tmp_dir):
 
     from megatron_rl.train.sync_wait import SyncWait
 
+    # set-up with generous timeouts (a loaded machine must not decide this test), then the
+    # default group's timeout is made shorter than the push
     dist.init_process_group(
         "gloo", init_method=init_method, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=600),
     )  # fmt: skip
     wait = SyncWait(timeout_s=600.0)
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
     if rank == 0:
         time.sleep(PUSH_S)  # the push: longer than the default group's timeout
     shared = wait.share({"pushed": True} if rank == 0 else None)
