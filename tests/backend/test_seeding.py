@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # One fresh process: the CPU generator is disturbed first (as an import or a data loader may),
@@ -34,6 +36,7 @@ destroy_distributed()
 """
 
 
+@pytest.mark.slow
 def test_two_fresh_processes_build_the_same_routers(tmp_path):
     outputs = []
     for i, disturb in enumerate((1, 99)):

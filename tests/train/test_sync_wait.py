@@ -57,6 +57,7 @@ def _wait_worker(rank, world_size, init_method, tmp_dir):
         json.dump(shared, handle)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_push_longer_than_the_default_timeout_is_waited_out(tmp_path):
     spawn_ranks(_wait_worker, tmp_path, 2)
