@@ -159,7 +159,7 @@ class HttpPool:
         self._down_until = dict.fromkeys(config.urls, 0.0)
         self._in_flight = dict.fromkeys(config.urls, 0)
         self._dropped: dict[str, str] = {}  # url -> why (out of the pool until `admit`)
-        self._info_paths: dict[str, tuple[str, ...]] = {}  # url -> its model-info route
+        self._info_paths: dict[tuple[str, str], str] = {}  # (url, route) -> path served
         self._lock = threading.Lock()
         self.retries = 0  # requests re-sent after a failure (for metrics and tests)
 
@@ -194,21 +194,23 @@ class HttpPool:
 
     def alive_all(self, urls: Sequence[str]) -> list[str]:
         """`alive` on every url at once; the live ones, in order."""
-        urls = list(urls)
-        if not urls:
-            return []
-        with ThreadPoolExecutor(max_workers=len(urls)) as threads:
-            ok = list(threads.map(self.alive, urls))
-        return [u for u, up in zip(urls, ok, strict=True) if up]
+        return self._where(self.alive, urls)
 
     def model_info(self, url: str, *, timeout_s: float | None = None) -> dict:
-        """``GET /model_info`` (SGLang >= 0.5.x; ``/get_model_info`` is its deprecated alias,
-        used where ``/model_info`` answers 404, as on older releases); the decoded answer.
+        """``GET /model_info`` (``/get_model_info``, its deprecated alias, where that answers
+        404, as on older releases); the decoded answer. RuntimeError when neither answers."""
+        return self._info(url, "model_info", timeout_s)
 
-        The route that worked is remembered per server. RuntimeError when neither answers."""
-        paths = self._info_paths.get(url) or ("/model_info", "/get_model_info")
+    def server_info(self, url: str, *, timeout_s: float | None = None) -> dict:
+        """``GET /server_info`` (``/get_server_info`` where that answers 404); the answer."""
+        return self._info(url, "server_info", timeout_s)
+
+    def _info(self, url: str, route: str, timeout_s: float | None) -> dict:
+        """``/{route}``, else ``/get_{route}``; the path that answered is remembered per
+        server and route."""
+        known = self._info_paths.get((url, route))
         last: Exception | None = None
-        for path in paths:
+        for path in (known,) if known else (f"/{route}", f"/get_{route}"):
             try:
                 answer = self.call_on(url, "GET", path, None, timeout_s=timeout_s)
             except ServerError as err:
@@ -216,29 +218,22 @@ class HttpPool:
                     raise
                 last = err
                 continue
-            self._info_paths[url] = (path,)
+            self._info_paths[(url, route)] = path
             return answer if isinstance(answer, dict) else {}
-        raise ServerError(f"{url}: neither /model_info nor /get_model_info is served ({last})")
-
-    def server_info(self, url: str, *, timeout_s: float | None = None) -> dict:
-        """``GET /server_info`` (``/get_server_info`` where that answers 404); the answer."""
-        for path in ("/server_info", "/get_server_info"):
-            try:
-                answer = self.call_on(url, "GET", path, None, timeout_s=timeout_s)
-            except ServerError as err:
-                if "HTTP 404" not in str(err) or path == "/get_server_info":
-                    raise
-                continue
-            return answer if isinstance(answer, dict) else {}
-        raise AssertionError("unreachable")  # pragma: no cover
+        raise ServerError(f"{url}: neither /{route} nor /get_{route} is served ({last})")
 
     def probe_all(self, urls: Sequence[str] | None = None) -> list[str]:
         """`probe` every url at once (each takes >= 1 s on SGLang); the healthy ones, in order."""
-        urls = list(self.config.urls if urls is None else urls)
-        if len(urls) == 1:
-            return urls if self.probe(urls[0]) else []
+        return self._where(self.probe, self.config.urls if urls is None else urls)
+
+    @staticmethod
+    def _where(check: Callable[[str], bool], urls: Sequence[str]) -> list[str]:
+        """``check`` on every url at once (one thread each); those it passed, in order."""
+        urls = list(urls)
+        if len(urls) <= 1:
+            return [u for u in urls if check(u)]
         with ThreadPoolExecutor(max_workers=len(urls)) as threads:
-            ok = list(threads.map(self.probe, urls))
+            ok = list(threads.map(check, urls))
         return [u for u, up in zip(urls, ok, strict=True) if up]
 
     def healthy_urls(self) -> list[str]:
