@@ -22,7 +22,9 @@ import pytest
 import torch
 from sglang_source import load_class, load_method, load_module
 
-from megatron_rl.rollout import flat_bucket, weight_sync
+from megatron_rl.rollout import flat_bucket
+from megatron_rl.rollout.weight_sync import staging
+from megatron_rl.rollout.weight_sync import tensor as tensor_transport
 
 COMMON = "srt/utils/common.py"
 UPDATER = "srt/model_executor/model_runner_components/weight_updater.py"
@@ -104,12 +106,12 @@ def test_tensor_payload_loads_through_sglangs_deserializer_and_bucket_loader():
 
 def _payload(bucket) -> str:
     slots = flat_bucket.bucket_slots(bucket)
-    with weight_sync._file_system_sharing():
+    with staging.file_system_sharing():
         storage = torch.UntypedStorage._new_shared(slots[-1].end)
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
     flat_bucket.pack(bucket, flat)
-    obj = {"flattened_tensor": flat, "metadata": [weight_sync._metadata(s) for s in slots]}
-    return weight_sync._serialize_shared(obj)
+    obj = {"flattened_tensor": flat, "metadata": [tensor_transport._metadata(s) for s in slots]}
+    return tensor_transport._serialize_shared(obj)
 
 
 def _load_like_sglang(entry: str) -> list[tuple[str, torch.Tensor]]:

@@ -18,11 +18,12 @@ import torch
 from sglang_source import class_node, dataclass_fields, load_class, sglang_path
 
 from megatron_rl.moe_layers import moe_layer_pattern
-from megatron_rl.rollout import weight_sync
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig
 from megatron_rl.rollout.sglang_payload import decode_generate, generate_request
 from megatron_rl.rollout.types import SamplingParams
-from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig
+from megatron_rl.rollout.weight_sync import WeightSync, WeightSyncConfig, WeightSyncError
+from megatron_rl.rollout.weight_sync import tensor as tensor_transport
+from megatron_rl.rollout.weight_sync.distributed import DistributedTransport
 from megatron_rl.routing import RoutingCodec
 
 IO_STRUCT = "srt/managers/io_struct.py"
@@ -89,9 +90,9 @@ def _sync(pool, monkeypatch, **config):
     sync = WeightSync(pool, WeightSyncConfig(bucket_bytes=64, **config))
     pool.version = "7"
     if config.get("transport") == "distributed":  # group creation is another test's concern
-        sync.group, sync.group_name = object(), "group"
-        sync._group_urls = tuple(pool.members())
-        monkeypatch.setattr(WeightSync, "_broadcast", lambda self, *args: None)
+        sync.transport.group, sync.transport.group_name = object(), "group"
+        sync.transport._group_urls = tuple(pool.members())
+        monkeypatch.setattr(DistributedTransport, "_broadcast", lambda self, *args: None)
     tensors = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(3)]
     sync.sync(iter(tensors), 7)
     return sync
@@ -132,13 +133,13 @@ def test_tensor_transport_serialises_one_entry_per_rank_and_keeps_tensors_alive(
     ``MultiprocessingSerializer.serialize`` once per TP rank; each rank deserialises its own
     entry (``tp_worker.deserialize_own_rank``). The flat bucket must outlive every HTTP call."""
     serialized: list[dict] = []
-    original = weight_sync._serialize_shared
+    original = tensor_transport._serialize_shared
 
     def record(obj):
         serialized.append(obj)
         return original(obj)
 
-    monkeypatch.setattr(weight_sync, "_serialize_shared", record)
+    monkeypatch.setattr(tensor_transport, "_serialize_shared", record)
     alive_during_call = []
 
     def on_call(url, path, payload):
@@ -159,7 +160,7 @@ def test_tensor_transport_serialises_one_entry_per_rank_and_keeps_tensors_alive(
 
 
 def test_sglang_producer_patches_reductions_before_serialising():
-    """What `weight_sync._sglang_serialize` mirrors: SGLang's own producer code."""
+    """What `weight_sync.tensor._sglang_serialize` mirrors: SGLang's own producer code."""
     text = sglang_path("srt/weight_sync/utils.py").read_text(encoding="utf-8")
     assert text.index("monkey_patch_torch_reductions()") < text.index(
         "MultiprocessingSerializer.serialize("
@@ -183,7 +184,7 @@ def test_checksum_mode_fails_clearly_against_sglang(servers):
     )
     embedding = server.engine.model.get_input_embeddings().weight.detach().clone()
     named = [("model.embed_tokens.weight", embedding)]
-    with pytest.raises(weight_sync.WeightSyncError, match="no /weights_checksum"):
+    with pytest.raises(WeightSyncError, match="no /weights_checksum"):
         sync.sync(iter(named), server.engine.weight_version)
     sync.close()
 

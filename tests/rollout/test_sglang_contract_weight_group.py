@@ -182,17 +182,18 @@ def test_a_restarted_trainer_syncs_again_and_close_tears_the_group_down(servers)
     engine = make_engine(seed=0)
     (server,) = servers(1, engine=engine)
     first = _sync(server.url, engine, version=1)
-    stale = first.group_name
+    stale = first.transport.group_name
     assert list(server.weight_groups) == [stale]
     # The trainer "crashes": its half of the group dies with it, the server keeps its half.
-    weight_group.destroy_weight_group(first.group)
-    first._threads.shutdown(wait=False)
+    weight_group.destroy_weight_group(first.transport.group)
+    first.threads.shutdown(wait=False)
 
     second = _sync(server.url, engine, version=2)  # a fresh name: no clash with the stale group
-    assert second.group_name != stale and set(server.weight_groups) == {stale, second.group_name}
+    second_name = second.transport.group_name
+    assert second_name != stale and set(server.weight_groups) == {stale, second_name}
     assert engine.weight_version == 2
     second.close()
-    assert second.group is None and second.group_name is None
+    assert second.transport.group is None and second.transport.group_name is None
     assert set(server.weight_groups) == {stale}  # only the crashed run's group is left
     status, answer = server.handle("/destroy_weights_update_group", {"group_name": stale})
     assert status == 200 and answer["success"] is True
@@ -221,14 +222,16 @@ def test_a_failed_group_creation_destroys_both_halves(servers):
     pool = HttpPool(HttpPoolConfig(urls=(server.url,), request_timeout_s=60.0, backoff_s=0.01))
     sync = WeightSync(pool, WeightSyncConfig(transport="distributed", group_timeout_s=3.0))
     with pytest.raises(Exception, match=r"(?i)timed out|init_weights_update_group"):
-        sync._init_group()
-    assert sync.group is None and sync.group_name is None and not server.weight_groups
+        sync.transport._init_group()
+    assert sync.transport.group is None and sync.transport.group_name is None
+    assert not server.weight_groups
     assert "/destroy_weights_update_group" in server.requests
     server.before_request = None
     # the retry must succeed however loaded the machine is: no short timeout decides it (the
     # 3 s above only bounds the wait for a member that never joins)
     sync.config.group_timeout_s = 300.0
-    sync._init_group()  # a retry works under a new name
-    assert sync.group_name != seen[0] and list(server.weight_groups) == [sync.group_name]
+    sync.transport._init_group()  # a retry works under a new name
+    name = sync.transport.group_name
+    assert name != seen[0] and list(server.weight_groups) == [name]
     sync.close()
     assert not server.weight_groups

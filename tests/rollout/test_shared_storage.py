@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.rollout import weight_sync
-from megatron_rl.rollout.weight_sync import SHM_ATTEMPTS, SHM_MANAGER_TIMEOUT, new_shared_storage
+from megatron_rl.rollout.weight_sync import (
+    SHM_ATTEMPTS,
+    SHM_MANAGER_TIMEOUT,
+    new_shared_storage,
+    staging,
+)
 
 
 def _failing(times: int, message: str = SHM_MANAGER_TIMEOUT):
@@ -25,14 +29,14 @@ def _failing(times: int, message: str = SHM_MANAGER_TIMEOUT):
 def test_a_manager_timeout_is_retried_and_the_buffer_is_shared(monkeypatch):
     new_shared, calls = _failing(times=SHM_ATTEMPTS - 1)
     monkeypatch.setattr(torch.UntypedStorage, "_new_shared", staticmethod(new_shared))
-    monkeypatch.setattr(weight_sync.time, "sleep", lambda s: None)
+    monkeypatch.setattr(staging.time, "sleep", lambda s: None)
     storage = new_shared_storage(64)
     assert storage.nbytes() == 64 and storage.is_shared()
     assert calls == [64] * SHM_ATTEMPTS
 
 
 def test_the_last_timeout_and_any_other_error_are_raised(monkeypatch):
-    monkeypatch.setattr(weight_sync.time, "sleep", lambda s: None)
+    monkeypatch.setattr(staging.time, "sleep", lambda s: None)
     new_shared, calls = _failing(times=SHM_ATTEMPTS)
     monkeypatch.setattr(torch.UntypedStorage, "_new_shared", staticmethod(new_shared))
     with pytest.raises(RuntimeError, match="timed out"):

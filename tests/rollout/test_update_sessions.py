@@ -198,7 +198,7 @@ def test_a_cuda_handle_the_server_cannot_open_names_the_distributed_transport(
 ):
     """SGLang raises "Invalid device_uuid" for a CUDA IPC handle of a GPU it cannot see; the
     stand-in (no GPU at all) refuses every CUDA handle the same way."""
-    from megatron_rl.rollout import weight_sync
+    from megatron_rl.rollout.weight_sync import tensor as tensor_transport
 
     (server,) = servers(1)
 
@@ -214,7 +214,7 @@ def test_a_cuda_handle_the_server_cannot_open_names_the_distributed_transport(
 
         return base64.b64encode(pickle.dumps(Handle())).decode()
 
-    monkeypatch.setattr(weight_sync, "_serialize_shared", cuda_handle)
+    monkeypatch.setattr(tensor_transport, "_serialize_shared", cuda_handle)
     with client_for([server], "tensor") as client, pytest.raises(WeightSyncError) as err:
         client.update_weights(tensors(shared_engine), version=1)
     assert "--weight-sync-transport distributed" in str(err.value)

@@ -1,0 +1,65 @@
+"""Push trainer weights to SGLang servers: three transports, bucketed, versioned, checked.
+
+Modules: `common` (config, report, error), `sync` (`WeightSync`: one sync and its membership),
+`staging` (the buffers buckets are packed into), one per transport: `distributed`, `tensor`,
+`disk`.
+
+One sync (`sync_weights`) on the trainer's global rank 0, fed by
+`megatron_rl.model.conversion.iter_hf_tensors` (collective: the other ranks iterate it too and
+drop the tensors):
+
+1. ``/pause_generation`` and ``/flush_cache`` on every server;
+2. ``/begin_weight_update`` (transports ``distributed`` and ``tensor``, on servers that have
+   sessions: `update_session`), the tensors, in buckets of at most ``bucket_bytes``
+   (`flat_bucket.flat_buckets`), each packed into one staging buffer in SGLang's
+   ``flattened_bucket`` layout and checked for NaN/Inf there, once, on this side
+   (`flat_bucket.first_nonfinite`; servers do not check), then sent by one transport:
+   ``distributed`` (``/init_weights_update_group`` once, then per bucket
+   ``/update_weights_from_distributed`` with ``load_format="flattened_bucket"`` while rank 0
+   broadcasts the flat buffer once over that group; NCCL on GPU, gloo on CPU), ``tensor``
+   (``/update_weights_from_tensor``, colocated: the flat buffer by SGLang's
+   ``MultiprocessingSerializer`` format, which passes CUDA IPC handles on GPU and a shared-memory
+   file name on CPU, never the bytes), or ``disk`` (HF safetensors written to a temporary folder
+   renamed into place, then ``/update_weights_from_disk``), then ``/end_weight_update``, whatever
+   happened;
+3. ``/update_weight_version`` to ``version`` once every bucket loaded, then each server's
+   ``weight_version`` (``/model_info``) must equal it, and optionally per-tensor checksums;
+4. ``/continue_generation``, whatever happened.
+
+Server membership (see `WeightSync`): a server that dies or fails any step leaves the sync and
+is dropped from the pool; the others go on. A dropped server that is healthy again takes part
+in the next sync and rejoins the pool only once it has it all. ``distributed``: the group is
+destroyed at once and rebuilt without the failed member, within ``failure_timeout_s``.
+`WeightSyncError` only when fewer than ``min_servers`` servers are left.
+
+A failure raises `WeightSyncError` before step 3 moves the version, so servers keep reporting
+the old version. Caveat on real SGLang: buckets already loaded stay loaded, so the weights are
+a mix until a retried sync succeeds; the trainer must not generate from a server whose sync
+failed (the version check on samples catches it).
+"""
+
+from megatron_rl.rollout.weight_sync.common import (
+    TRANSPORTS,
+    SyncReport,
+    WeightSyncConfig,
+    WeightSyncError,
+)
+from megatron_rl.rollout.weight_sync.distributed import FIRST_BUCKET_BYTES
+from megatron_rl.rollout.weight_sync.staging import (
+    SHM_ATTEMPTS,
+    SHM_MANAGER_TIMEOUT,
+    new_shared_storage,
+)
+from megatron_rl.rollout.weight_sync.sync import WeightSync
+
+__all__ = [
+    "FIRST_BUCKET_BYTES",
+    "SHM_ATTEMPTS",
+    "SHM_MANAGER_TIMEOUT",
+    "TRANSPORTS",
+    "SyncReport",
+    "WeightSync",
+    "WeightSyncConfig",
+    "WeightSyncError",
+    "new_shared_storage",
+]

@@ -1,0 +1,90 @@
+"""What every part of a weight sync shares: its config, its report, its error, and how a
+server call's failure is read."""
+
+from __future__ import annotations
+
+import dataclasses
+
+TRANSPORTS = ("distributed", "tensor", "disk")
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed; the servers still report the previous weight version."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class WeightSyncConfig:
+    """How `sync_weights` pushes weights.
+
+    ``engine_ranks``: ranks (TP size) of each server; one group rank each for ``distributed``,
+    one serialised handle each for ``tensor``. ``master_port = 0`` picks a free port.
+    ``bucket_bytes`` also bounds the staging buffer this side holds (a larger tensor gets a
+    buffer of its own size).
+    ``checksum``: per-tensor checksums read back over ``/weights_checksum``, which only the
+    loopback server has (SGLang answers 404; the sync then fails with a WeightSyncError).
+    ``failure_timeout_s``: how long control calls (pause, version, destroy) and a failing
+    group's members may take before the server is given up on (no 120 s hang on a dead member).
+    ``group_name``: prefix of the weight-update group's name; every group creation gets its own
+    name (`unique_group_name`), so a restarted trainer never collides with a group that a crashed
+    run left on the servers.
+    """
+
+    transport: str = "distributed"
+    bucket_bytes: int = 512 * 1024**2
+    disk_dir: str | None = None
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    backend: str = "gloo"
+    group_name: str = "megatron_rl_weights"
+    engine_ranks: int = 1
+    checksum: bool = False
+    checksum_rtol: float = 1e-6
+    group_timeout_s: float = 300.0
+    failure_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"WeightSyncConfig.transport={self.transport!r}: choose one of {TRANSPORTS}"
+            )
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"WeightSyncConfig.bucket_bytes={self.bucket_bytes!r}: must be >= 1")
+        if self.transport == "disk" and not self.disk_dir:
+            raise ValueError(
+                "WeightSyncConfig.disk_dir=None: the disk transport needs a folder every server "
+                "can read"
+            )
+        if not self.failure_timeout_s > 0:
+            raise ValueError(
+                f"WeightSyncConfig.failure_timeout_s={self.failure_timeout_s!r}: must be > 0"
+            )
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"WeightSyncConfig.backend={self.backend!r}: 'gloo' or 'nccl'")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SyncReport:
+    version: int
+    num_tensors: int = 0
+    num_bytes: int = 0
+    num_buckets: int = 0
+    seconds: float = 0.0
+    checksums_compared: int = 0
+    servers_up: int = 0  # pool members after the sync
+    servers_dropped: int = 0  # servers dropped by syncs so far
+    servers_rejoined: int = 0  # dropped servers admitted again after a full sync so far
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.num_bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+def call_failure(future) -> str | None:
+    """Why a finished control call failed (its error, or ``success: false``), else None."""
+    error = future.exception()
+    if error is not None:
+        return f"{type(error).__name__}: {error}"
+    answer = future.result()
+    if isinstance(answer, dict) and answer.get("success") is False:
+        return f"success=false: {answer.get('message')}"
+    return None

@@ -1,0 +1,275 @@
+"""One weight sync to the SGLang servers, whatever the transport: pause, flush, the update
+session, the transport's push, the version move and its check, continue; and which servers take
+part (a server that fails leaves the sync and is dropped from the pool)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import torch
+
+from megatron_rl.rollout.hf_weights import checksums
+from megatron_rl.rollout.http_pool import ServerError
+from megatron_rl.rollout.update_session import TRANSPORTS_NEEDING_SESSION, UpdateSessions
+from megatron_rl.rollout.weight_sync.common import (
+    SyncReport,
+    WeightSyncConfig,
+    WeightSyncError,
+    call_failure,
+)
+from megatron_rl.rollout.weight_sync.disk import DiskTransport
+from megatron_rl.rollout.weight_sync.distributed import DistributedTransport
+from megatron_rl.rollout.weight_sync.tensor import TensorTransport
+
+logger = logging.getLogger(__name__)
+
+TRANSPORT_CLASSES = {
+    "distributed": DistributedTransport,
+    "tensor": TensorTransport,
+    "disk": DiskTransport,
+}
+
+
+class WeightSync:
+    """Trainer side of weight sync to the servers behind ``pool`` (an `HttpPool`).
+
+    Membership: every sync goes to the pool's members plus the dropped servers that answer
+    ``/health`` again. A server that fails any step (dead, HTTP error, wrong version, checksum)
+    leaves this sync and, once the sync succeeded on the others, is dropped from the pool
+    (`HttpPool.drop`: no generation, no later sync until it is healthy again); a dropped server
+    that received the whole sync is admitted back (`HttpPool.admit`), so it never serves stale
+    weights. The sync fails with `WeightSyncError` only when fewer than ``min_servers`` servers
+    are left in it (or on a failure of the trainer's own side); membership then stays as it was.
+
+    ``transport`` (chosen by ``config.transport``, `TRANSPORT_CLASSES`) sends the tensors; it
+    uses ``urls``, ``phase``, ``fail``, ``require`` and ``threads`` of this sync.
+    """
+
+    def __init__(self, pool, config: WeightSyncConfig, hf_config=None, *, min_servers: int = 1):
+        if not isinstance(min_servers, int) or min_servers < 1:
+            raise ValueError(f"min_servers={min_servers!r}: must be an int >= 1")
+        self.pool = pool
+        self.config = config
+        self.hf_config = hf_config
+        self.min_servers = min_servers
+        self.sessions = UpdateSessions(pool, timeout_s=config.failure_timeout_s)
+        self.threads = ThreadPoolExecutor(max_workers=max(1, 2 * len(pool.config.urls)))
+        self._live: list[str] = list(pool.members())  # the servers in the sync under way
+        self._failed: dict[str, str] = {}  # url -> why, in the sync under way
+        self._version = 0
+        self.transport = TRANSPORT_CLASSES[config.transport](self)
+        self.dropped_total = 0  # servers dropped by syncs so far (a metric)
+        self.rejoined_total = 0  # dropped servers admitted again after a full sync
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """The servers taking part in the current (or last) sync."""
+        return tuple(self._live)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Why each server left the current (or last) sync."""
+        return self._failed
+
+    def fail(self, url: str, why: str) -> None:
+        """``url`` leaves the sync under way, for ``why``."""
+        if url in self._live:
+            self._live.remove(url)
+        self._failed.setdefault(url, why)
+        logger.warning("weight sync v%s: %s leaves the sync: %s", self._version, url, why)
+
+    def require(self) -> None:
+        """WeightSyncError when fewer than ``min_servers`` servers are left in the sync."""
+        if len(self._live) >= self.min_servers:
+            return
+        reasons = "; ".join(f"{u}: {why}" for u, why in self._failed.items())
+        raise WeightSyncError(
+            f"weight sync to version {self._version} over {self.config.transport!r} failed: "
+            f"{len(self._live)} of {len(self.pool.config.urls)} servers left, fewer than "
+            f"min_servers={self.min_servers}" + (f" ({reasons})" if reasons else "")
+        )
+
+    def phase(self, path: str, payloads, what: str, *, timeout_s: float | None = None) -> None:
+        """POST ``payloads[i]`` (or one payload) to every live server at once; a server that
+        fails leaves the sync; WeightSyncError when too few are left."""
+        urls = list(self._live)
+        if isinstance(payloads, dict):
+            payloads = [payloads] * len(urls)
+        futures = [
+            self.threads.submit(self.pool.call_on, url, "POST", path, payload, timeout_s=timeout_s)
+            for url, payload in zip(urls, payloads, strict=True)
+        ]
+        self._collect(urls, futures, what)
+
+    def versions(self) -> dict[str, object]:
+        return {u: self.pool.model_info(u).get("weight_version") for u in self.pool.members()}
+
+    def _begin_sessions(self) -> list[str]:
+        """``/begin_weight_update`` on every live server (transports that need a session;
+        see `update_session`); the servers with a session open. A refusal fails that server."""
+        if self.config.transport not in TRANSPORTS_NEEDING_SESSION:
+            return []
+        urls = list(self._live)
+        futures = [self.threads.submit(self.sessions.begin, u) for u in urls]
+        self._collect(urls, futures, "begin_weight_update")
+        return [u for u, f in zip(urls, futures, strict=True) if u in self._live and f.result()]
+
+    def _end_sessions(self, opened: list[str]) -> None:
+        """``/end_weight_update`` on every server a session was opened on, whatever happened
+        (a session left open would refuse the next sync's begin). A live server whose end
+        fails leaves the sync, unless the transfer already failed (then only logged)."""
+        failing = sys.exc_info()[1] is not None
+        futures = [self.threads.submit(self.sessions.end, u) for u in opened]
+        wait(futures, timeout=self.config.failure_timeout_s + self.pool.config.connect_timeout_s)
+        for url, future in zip(opened, futures, strict=True):
+            why = call_failure(future) if future.done() else "no answer"
+            if why is None:
+                continue
+            if failing or url not in self._live:
+                logger.warning("end_weight_update on %s failed: %s", url, why)
+            else:
+                self.fail(url, f"end_weight_update: {why}")
+        if not failing:
+            self.require()
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
+        report = SyncReport(version=version)
+        start = time.perf_counter()
+        sums: dict[str, float] = {}
+        stream = self._account(named_tensors, report, sums if self.config.checksum else None)
+        members = self.pool.members()
+        dropped = list(self.pool.dropped())
+        rejoining = self.pool.probe_all(dropped) if dropped else []  # healthy again: full sync
+        self._version = version
+        self._live = [u for u in self.pool.config.urls if u in members or u in rejoining]
+        self._failed = {}
+        paused = list(self._live)
+        control = self.config.failure_timeout_s
+        try:
+            self.require()
+            self.phase("/pause_generation", {}, "pause_generation", timeout_s=control)
+            # waits for idle and retries SGLang's 400 (`HttpPool.flush_cache`)
+            self._each(self.pool.flush_cache, "flush_cache")
+            opened = self._begin_sessions()
+            try:
+                self.transport.push(stream, report, version)
+            finally:
+                self._end_sessions(opened)
+            self.phase(
+                "/update_weight_version",
+                {"new_version": str(version)},
+                "update_weight_version",
+                timeout_s=control,
+            )
+            self._verify(version, sums, report)
+        except WeightSyncError:
+            raise
+        except Exception as err:
+            raise WeightSyncError(
+                f"weight sync to version {version} over {self.config.transport!r} failed: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        finally:
+            futures = [
+                self.threads.submit(
+                    self.pool.call_on, u, "POST", "/continue_generation", {}, timeout_s=control
+                )
+                for u in paused
+            ]
+            wait(futures, timeout=control + self.pool.config.connect_timeout_s)
+            for url, future in zip(paused, futures, strict=True):
+                why = call_failure(future) if future.done() else "no answer"
+                if why is not None and url not in self._failed:
+                    logger.error("continue_generation failed on %s: %s", url, why)
+        for url, why in self._failed.items():
+            if url in members and self.pool.drop(url, f"weight sync v{version}: {why}"):
+                self.dropped_total += 1
+        for url in rejoining:
+            if url in self._live and self.pool.admit(url):
+                self.rejoined_total += 1
+        report.servers_up = len(self.pool.members())
+        report.servers_dropped = self.dropped_total
+        report.servers_rejoined = self.rejoined_total
+        report.seconds = time.perf_counter() - start
+        logger.info(
+            "weight sync v%d: %d tensors, %.1f MB, %d buckets, %.1f MB/s, %d/%d servers",
+            version,
+            report.num_tensors,
+            report.num_bytes / 1e6,
+            report.num_buckets,
+            report.mb_per_s,
+            report.servers_up,
+            len(self.pool.config.urls),
+        )
+        return report
+
+    def _each(self, fn, what: str) -> None:
+        """``fn(url)`` on every live server at once; failures leave the sync."""
+        urls = list(self._live)
+        futures = [self.threads.submit(fn, u) for u in urls]
+        self._collect(urls, futures, what)
+
+    def _collect(self, urls, futures, what: str) -> None:
+        """Wait for one call per server; a failed one takes its server out of the sync."""
+        wait(futures)
+        for url, future in zip(urls, futures, strict=True):
+            why = call_failure(future)
+            if why is not None:
+                self.fail(url, f"{what}: {why}")
+        self.require()
+
+    def _account(self, named_tensors, report: SyncReport, sums: dict | None):
+        for name, tensor in named_tensors:
+            report.num_tensors += 1
+            report.num_bytes += tensor.numel() * tensor.element_size()
+            if sums is not None:
+                sums.update(checksums([(name, tensor)]))
+            yield name, tensor
+
+    def _verify(self, version: int, sums: dict[str, float], report: SyncReport) -> None:
+        for url in list(self._live):
+            try:
+                info = self.pool.model_info(url, timeout_s=self.config.failure_timeout_s)
+            except RuntimeError as err:
+                self.fail(url, f"model_info: {err}")
+                continue
+            got = info.get("weight_version")
+            if str(got) != str(version):
+                self.fail(url, f"after sync to version {version} the server reports {got!r}")
+        self.require()
+        if not sums:
+            return
+        for url in list(self._live):
+            try:
+                got = self.pool.call_on(url, "POST", "/weights_checksum", {"names": list(sums)})
+            except ServerError as err:
+                if "HTTP 404" not in str(err):
+                    self.fail(url, f"weights_checksum: {err}")
+                    continue
+                raise WeightSyncError(
+                    f"WeightSyncConfig.checksum=True, but {url} has no /weights_checksum: only the "
+                    "loopback server serves it. SGLang has no checksum endpoint (its "
+                    "/get_weights_by_name returns the first values of one parameter under "
+                    "SGLang's own names and is not implemented for Qwen3-MoE); set checksum=False "
+                    "and rely on the weight_version check"
+                ) from err
+            except RuntimeError as err:
+                self.fail(url, f"weights_checksum: {err}")
+                continue
+            for name, want in sums.items():
+                if abs(got[name] - want) > self.config.checksum_rtol * max(1.0, abs(want)):
+                    self.fail(
+                        url,
+                        f"checksum of {name!r} on {url} is {got[name]!r}, trainer sent {want!r}",
+                    )
+                    break
+                report.checksums_compared += 1
+        self.require()
+
+    def close(self) -> None:
+        self.transport.close()
+        self.threads.shutdown(wait=False)

@@ -1,0 +1,124 @@
+"""The ``tensor`` transport (colocated servers): each flat bucket goes by handle, never by its
+bytes, in ``/update_weights_from_tensor`` (SGLang's ``MultiprocessingSerializer`` format: a CUDA
+IPC handle on GPU, a shared-memory file name on CPU)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import types
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_rl.rollout import flat_bucket
+from megatron_rl.rollout.flat_bucket import FLATTENED, flat_buckets
+from megatron_rl.rollout.weight_sync.common import SyncReport, WeightSyncConfig, WeightSyncError
+from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda, file_system_sharing
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.weight_sync.sync import WeightSync
+
+
+class TensorTransport:
+    """Buckets staged in one buffer and passed by handle to the servers of ``sync`` (a
+    `WeightSync`)."""
+
+    def __init__(self, sync: WeightSync):
+        self.sync = sync
+        self.staging = Staging(sync.config, num_buffers=1)
+
+    @property
+    def config(self) -> WeightSyncConfig:
+        return self.sync.config
+
+    def push(self, stream, report: SyncReport, version: int) -> None:
+        """``/update_weights_from_tensor`` per bucket with ``load_format="flattened_bucket"``.
+
+        The payload is SGLang's own ``MultiprocessingSerializer.serialize(obj, output_str=True)``
+        format (``ForkingPickler`` + base64) of ``{"flattened_tensor": flat, "metadata": [...]}``
+        (what ``_update_weights_from_flattened_bucket`` reads; metadata entries are
+        ``SimpleNamespace`` with ``FlattenedTensorMetadata``'s fields, which SGLang's
+        ``SafeUnpickler`` admits). The tensor itself never travels: on GPU it is a CUDA IPC
+        handle (after SGLang's ``monkey_patch_torch_reductions``, GPUs named by UUID), on CPU
+        the name of the shared-memory file holding the staging buffer. SGLang's
+        ``serialized_named_tensors`` holds one entry per TP rank and each rank deserialises only
+        its own (``tp_worker.deserialize_own_rank``): every entry is its own serialisation,
+        because each carries its own producer-side reference count. A GPU bucket is a fresh
+        buffer (as SGLang's producer makes it); the buffer stays referenced until every server's
+        call has returned. On CPU the one shared buffer is reused: servers copy on load.
+        """
+        cfg, sync = self.config, self.sync
+        on_gpu = torch.cuda.is_available()
+        device = current_cuda() if on_gpu else torch.device("cpu")
+        serialize = _sglang_serialize() if on_gpu else _serialize_shared
+        for bucket in flat_buckets(stream, cfg.bucket_bytes):
+            report.num_buckets += 1
+            if on_gpu:
+                self.staging.buffers[0] = None  # one buffer per bucket under CUDA IPC
+            flat, slots = self.staging.stage(bucket, device, version, shared=True)
+            obj = {"flattened_tensor": flat, "metadata": [_metadata(s) for s in slots]}
+            payloads = [
+                {
+                    "serialized_named_tensors": [serialize(obj) for _ in range(cfg.engine_ranks)],
+                    "load_format": FLATTENED,
+                    "flush_cache": False,
+                }
+                for _ in sync.urls
+            ]
+            # waits for every server to finish reading before the buffer may be reused
+            try:
+                sync.phase("/update_weights_from_tensor", payloads, "update_weights_from_tensor")
+            finally:
+                self._check_device_seen()
+            del obj, payloads, flat
+        if on_gpu:
+            self.staging.buffers[0] = None
+
+    def _check_device_seen(self) -> None:
+        """WeightSyncError naming the fix when a server could not open the tensor handle
+        (SGLang's ``srt/utils/patch_torch.py`` raises "Invalid device_uuid" when the handle
+        names a GPU that is not among the server's visible devices)."""
+        failures = self.sync.failures
+        unseen = [u for u, why in failures.items() if "Invalid device_uuid" in why]
+        if unseen:
+            raise WeightSyncError(
+                f"--weight-sync-transport tensor: {unseen} cannot see this rank's GPU "
+                f"({failures[unseen[0]]}); the tensor transport needs servers on the "
+                "trainer's own GPUs. Use --weight-sync-transport distributed"
+            )
+
+    def close(self) -> None:
+        self.staging.clear()
+
+
+def _metadata(slot: flat_bucket.Slot) -> types.SimpleNamespace:
+    """SGLang's ``FlattenedTensorMetadata`` fields (``numel`` counts bytes, as there)."""
+    return types.SimpleNamespace(
+        name=slot.name,
+        shape=torch.Size(slot.shape),
+        dtype=slot.dtype,
+        start_idx=slot.start,
+        end_idx=slot.end,
+        numel=slot.end - slot.start,
+    )
+
+
+def _serialize_shared(obj) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` on CPU:
+    ``ForkingPickler`` (shared storages by file name) then base64."""
+    from multiprocessing.reduction import ForkingPickler
+
+    buffer = io.BytesIO()
+    with file_system_sharing():
+        ForkingPickler(buffer).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _sglang_serialize():
+    """SGLang's serializer, after SGLang's own patch of torch's CUDA-IPC reductions."""
+    from sglang.srt.utils import MultiprocessingSerializer  # pragma: no cover - needs sglang
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    monkey_patch_torch_reductions()  # idempotent
+    return lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True)
