@@ -19,7 +19,7 @@
 
 Parameters, gradient buffers, optimizer state, routing state and the reference model are counted
 exactly; activations, the attention core, logits, log-prob tiles, the optimizer step's temporaries
-and the reserve are estimates (see `megatron_rl.model.memory`). The peak is the static terms plus
+and the reserve are estimates (see `megatron_rl.memory_plan`). The peak is the static terms plus
 the largest phase of the step (printed with the others); with pipeline parallelism the fullest
 stage decides the verdict.
 """
@@ -35,8 +35,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from megatron_rl.backend.grad_check import GRAD_CHECK_CHUNK_ELEMENTS
-from megatron_rl.model.memory import (
-    CODECS,
+from megatron_rl.memory_plan import (
     DTYPE_BYTES,
     GIB,
     RECOMPUTE,
@@ -48,10 +47,11 @@ from megatron_rl.model.memory import (
     PlanOptions,
     StagePlan,
     load_model_config,
-    megatron_stage_layers,
     plan_memory,
 )
+from megatron_rl.model.stages import megatron_stage_layers
 from megatron_rl.parallel import ParallelConfig
+from megatron_rl.routing.codec import CODECS
 
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", **{name: name for name in DTYPE_BYTES}}
 

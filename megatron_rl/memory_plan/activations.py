@@ -1,0 +1,211 @@
+"""Activation estimates: the tokens a GPU holds, what one decoder layer keeps for backward, the
+attention core (fused, or the local spec's ``[s, s]`` matrices), and the stored activations of
+the micro-batches in flight."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from megatron_rl.memory_plan.layout import Layout, ceil_div
+from megatron_rl.memory_plan.options import PlanOptions
+from megatron_rl.memory_plan.params import StageParams
+from megatron_rl.memory_plan.shape import ModelShape
+
+# The local spec's unfused attention on an H200 (tools/gpu_smoke.py, Qwen3-30B-A3B-shaped 2-layer
+# slice, bf16, one sequence of 8,192 tokens) keeps about one fp32 [heads, s, s] tensor more at its
+# training peak than the tensors `attention_bytes` reads from megatron's and torch's code (which a
+# CPU run of the same code confirms, and which match the H200's no-grad pass to 1%): 4 bytes per
+# attention-matrix element, counted once per micro-batch at the attention phases of a training
+# pass. Measured, not derived (see `attention_bytes`).
+LOCAL_ATTENTION_EXCESS_BYTES = 4
+
+
+def token_counts(layout: Layout, micro_batch_tokens: int) -> tuple[int, int]:
+    """(s, t): this GPU's tokens of the micro-batch in tensor-parallel regions (split by CP only)
+    and in sequence-parallel regions (norms, residual stream, router: split by TP too with SP)."""
+    p = layout.parallel
+    s = ceil_div(micro_batch_tokens, p.context_parallel)
+    t = ceil_div(s, p.tensor_parallel) if p.sequence_parallel else s
+    return s, t
+
+
+def layer_activation_bytes(
+    shape: ModelShape, layout: Layout, options: PlanOptions, *, moe: bool
+) -> dict[str, int]:
+    """ESTIMATE: bytes one decoder layer keeps for backward for one micro-batch (no recompute).
+
+    ``a`` = activation bytes (the param dtype), ``s`` = tokens per GPU in tensor-parallel regions
+    (micro-batch tokens / CP), ``t`` = tokens in sequence-parallel regions (``s / TP`` with SP),
+    ``q = heads * head_dim / TP``, ``kv = kv_heads * head_dim / TP``. No dropout, balanced routing
+    (times ``moe_imbalance``). Terms:
+
+    * norms: input and output of both RMSNorms, ``4 t h a`` (SP: the sharded input is kept);
+    * attention, the parts linear in ``s``: QKV output ``s (q + 2 kv) a``, q/k-norm outputs
+      ``s (q + kv) a``, the attention output ``s q a``, and what the attention kernel keeps of its
+      inputs: TE's fused kernel the rotated q, k and v ``s (q + 2 kv) a`` and fp32 log-sum-exp
+      ``4 s heads / TP``; the local spec's ``baddbmm`` / ``bmm`` the rotated q and the k and v that
+      ``repeat_interleave`` expanded to every query head, ``3 s q a``;
+    * attention probabilities (local spec only): `attention_bytes`'s ``saved``, the ``[s, s]``
+      tensors per head;
+    * MoE: fp32 router input, logits and probabilities ``4 t (h + 2 E)``; per routed
+      (token, expert) pair, of which a GPU holds ``t * topk * ETP`` on average, the permuted
+      input ``h``, fc1 output ``2 f / ETP``, SwiGLU output ``f / ETP`` and fc2 output ``h``, times
+      ``a``; a shared expert ``3 s f_shared a / TP``;
+    * dense MLP layer: fc1 output and SwiGLU output ``3 s I a / TP``.
+
+    Left out: the transient buffers of a single op (all-to-all send/receive, GEMM workspaces) and
+    the gradients being computed, which the reserve absorbs.
+    """
+    p = layout.parallel
+    tp, etp = p.tensor_parallel, p.expert_tensor_parallel
+    a = options.param_bytes
+    s, t = token_counts(layout, options.micro_batch_tokens)
+    h = shape.hidden_size
+    q = shape.num_heads * shape.head_dim // tp
+    kv = shape.num_kv_heads * shape.head_dim // tp
+    if options.spec == "te":
+        kernel_inputs = s * (q + 2 * kv) * a + 4 * s * (shape.num_heads // tp)
+    else:
+        kernel_inputs = 3 * s * q * a
+    terms = {
+        "norms": 4 * t * h * a,
+        "attention": s * (q + 2 * kv) * a + s * (q + kv) * a + kernel_inputs + s * q * a,
+    }
+    if options.spec == "local":
+        terms["attention probabilities"] = attention_bytes(shape, layout, options).saved
+    if moe:
+        pairs = math.ceil(t * shape.topk * etp * options.moe_imbalance)
+        f = shape.moe_intermediate_size // etp
+        terms["router"] = 4 * t * (h + 2 * shape.num_experts)
+        terms["experts"] = pairs * (2 * h + 3 * f) * a
+        if shape.shared_expert_size:
+            terms["shared_expert"] = 3 * s * shape.shared_expert_size * a // tp
+    else:
+        terms["mlp"] = 3 * s * shape.intermediate_size * a // tp
+    return terms
+
+
+# the parts of a layer still stored when the backward reaches its attention core
+ATTENTION_PART = ("norms", "attention", "attention probabilities")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AttentionBytes:
+    """The attention core of one micro-batch on one GPU beyond its inputs and output: bytes each
+    layer keeps for backward (``saved``), kept once per process (``persistent``), live on top of
+    ``saved`` at one layer's forward / backward peak (``forward`` / ``backward``), and the
+    measured surplus of a training pass (``excess``). See `attention_bytes`."""
+
+    saved: int = 0
+    persistent: int = 0
+    forward: int = 0
+    backward: int = 0
+    excess: int = 0
+    elements: int = 0  # A = b n s^2: elements of one [b n, s, s] tensor (0: fused attention)
+
+
+def attention_bytes(shape: ModelShape, layout: Layout, options: PlanOptions) -> AttentionBytes:
+    """ESTIMATE from megatron-core 0.16.1's code: one micro-batch's attention core on one GPU.
+
+    ``n = heads / TP`` heads on this GPU, ``b`` = ``micro_batch_sequences`` sequences of
+    ``s = micro_batch_tokens / b`` tokens (the local spec has no context parallelism; with SP the
+    attention sees every token), ``A = b n s^2`` elements of one ``[b n, s, s]`` tensor, ``a`` the
+    activation (param) bytes and ``c = a`` for bf16 / fp16 (``c = 0`` for fp32, which needs no
+    fp32 copy).
+
+    Local spec (``DotProductAttention``, ``FusedScaleMaskSoftmax`` on its torch path:
+    masked_softmax_fusion off, attention_softmax_in_fp32 on; dropout 0 returns its input):
+
+    * persistent: ``baddbmm`` (beta 0) reads megatron's global memory buffer ``[b n, s, s]`` in
+      the activation dtype, allocated at the largest ``s`` and kept: ``a A``;
+    * a layer's forward: scores ``[b n, s, s]`` (``a``) out of ``baddbmm``; their fp32 copy
+      (``.float()``, 4 B when ``c``) masked in place by a fresh ``[s, s]`` bool causal mask (kept
+      for backward by ``masked_fill_``); the softmax ``P`` in fp32 (kept by softmax's backward);
+      its cast ``P_a`` (``c``, kept by the ``bmm`` with v). Saved per layer:
+      ``(4 + c) A + s^2``. At the cast all four ``[b n, s, s]`` tensors are live:
+      ``forward = (a + 4 [c > 0]) A`` on top of the saved (scores and copy die when the layer's
+      attention returns);
+    * a layer's backward at the softmax: ``bmm``'s backward has freed ``P_a``; live are ``P``, its
+      gradient and the gradient of the fp32 copy, three fp32 ``[b n, s, s]``: ``12 A``, i.e.
+      ``backward = (8 - c) A`` on top of the saved;
+    * excess: `LOCAL_ATTENTION_EXCESS_BYTES` ``A`` (measured on an H200, not read from the code),
+      counted at the attention phases of a training pass.
+
+    bf16, per head and sequence: 6 B s^2 kept per layer, 2 B s^2 persistent, 12 B s^2 at either
+    peak of the last layer. TE spec (fused / flash attention): no ``[s, s]`` tensor; its fp32
+    softmax statistics (``4 s heads / TP``) are in `layer_activation_bytes`, and its backward
+    allocates dq, dk and dv, ``s (q + 2 kv) a`` (the kernel's workspace left out).
+    """
+    p = layout.parallel
+    a = options.param_bytes
+    if options.spec == "te":
+        s, _ = token_counts(layout, options.micro_batch_tokens)
+        q = shape.num_heads * shape.head_dim // p.tensor_parallel
+        kv = shape.num_kv_heads * shape.head_dim // p.tensor_parallel
+        return AttentionBytes(backward=s * (q + 2 * kv) * a)
+    b = options.micro_batch_sequences
+    s = options.micro_batch_tokens // b
+    elements = b * (shape.num_heads // p.tensor_parallel) * s * s
+    c = a if a < 4 else 0
+    return AttentionBytes(
+        saved=(4 + c) * elements + s * s,
+        persistent=a * elements,
+        forward=(a + (4 if c else 0)) * elements,
+        backward=(8 - c) * elements,
+        excess=LOCAL_ATTENTION_EXCESS_BYTES * elements,
+        elements=elements,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredActivations:
+    """Stored activations of the micro-batches in flight on a GPU (see `stored_activations`)."""
+
+    end: int  # at the end of the newest micro-batch's forward
+    attention: int  # when the newest micro-batch is in its last layer's attention core
+    recomputed: int  # full recompute: ``end`` + the whole activations of one recomputed layer
+    note: str
+
+
+def stored_activations(
+    shape: ModelShape, layout: Layout, options: PlanOptions, params: StageParams
+) -> StoredActivations:
+    """ESTIMATE: the stored activations on a GPU of ``params.stage``, with ``PP - stage``
+    micro-batches in flight (1F1B).
+
+    No recompute: per micro-batch, every layer's `layer_activation_bytes` and, on the last stage,
+    the final norm's ``2 t h a``; in its last layer's attention core (forward, or backward once
+    the layer's MLP part is freed) the newest micro-batch holds the layers before it and the last
+    layer's `ATTENTION_PART`. Full recompute (one layer per checkpoint): per micro-batch each
+    layer's input ``t h a`` (+ the final norm); the layer being recomputed adds its
+    `ATTENTION_PART` (in its attention core) or all of its activations (its MLP backward).
+    """
+    s, t = token_counts(layout, options.micro_batch_tokens)
+    h, a = shape.hidden_size, options.param_bytes
+    final_norm = 2 * t * h * a if params.stage == layout.parallel.pipeline_parallel - 1 else 0
+    first = sum(layout.stage_layers(shape.num_layers)[: params.stage])
+    pattern = shape.moe_pattern[first : first + params.layers]
+    layers = [layer_activation_bytes(shape, layout, options, moe=bool(sp)) for sp in pattern]
+    whole = [sum(layer.values()) for layer in layers]
+    part = [sum(v for k, v in layer.items() if k in ATTENTION_PART) for layer in layers]
+    in_flight = layout.parallel.pipeline_parallel - params.stage
+    tokens = f"s={s:,} t={t:,} tokens" + (
+        "; with [s, s] probabilities" if options.spec == "local" else ""
+    )
+    if options.recompute == "full":
+        kept = in_flight * params.layers * t * h * a + final_norm
+        note = f"{in_flight} x {params.layers} layer inputs (t h a); {tokens}"
+        return StoredActivations(kept, kept + max(part), kept + max(whole), note)
+    one = sum(whole) + final_norm
+    at_attention = in_flight * one - final_norm - whole[-1] + part[-1]
+    note = f"{in_flight} x {params.layers} layers, no recompute; {tokens}"
+    return StoredActivations(in_flight * one, at_attention, 0, note)
+
+
+def matrix_text(shape: ModelShape, layout: Layout, options: PlanOptions) -> str:
+    """``b n, s, s`` of one micro-batch's attention matrices on a GPU, as text."""
+    b = options.micro_batch_sequences
+    s = options.micro_batch_tokens // b
+    n = shape.num_heads // layout.parallel.tensor_parallel
+    return f"{b * n}, {s:,}, {s:,}"

@@ -1,0 +1,47 @@
+"""Shared by the memory plan's tests: Qwen3-30B-A3B's sizes for hand counts, a layout of
+parallel sizes, the tiny model in megatron DDP, and tools/memory_plan.py loaded as a module."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from pathlib import Path
+
+from megatron_rl.memory_plan import Layout
+from megatron_rl.parallel import ParallelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Qwen3-30B-A3B, for the hand counts below
+H, V, D, E, F_MOE = 2048, 151936, 128, 128, 768
+ATTN = (32 + 2 * 4) * D * H + 32 * D * H  # linear_qkv + linear_proj = 18,874,368
+NORMS = 2 * H + 2 * D  # input / pre-MLP RMSNorm + q / k RMSNorm
+ROUTER = E * H
+EXPERT = 3 * F_MOE * H  # fc1 (gate + up) + fc2 = 4,718,592
+
+
+def make_layout(world_size: int | None = None, **sizes) -> Layout:
+    parallel = ParallelConfig(**sizes)
+    if world_size is None:
+        return Layout(parallel=parallel)
+    return Layout.from_world_size(parallel, world_size)
+
+
+def tiny_model(name: str, dtype: str, distributed: bool, **overrides):
+    """The tiny model in megatron DDP, with the distributed optimizer's buffers if asked (and if
+    this checkout's `wrap_for_training` lets the caller choose)."""
+    from megatron_rl.backend.optimizer import wrap_for_training
+    from megatron_rl.model import ModelOptions, build_model, preset_config
+
+    config = preset_config(name, **overrides)
+    model = build_model(config, ModelOptions(dtype=dtype), spec="local")
+    if "use_distributed_optimizer" in inspect.signature(wrap_for_training).parameters:
+        return config, wrap_for_training(model, use_distributed_optimizer=distributed)
+    return config, wrap_for_training(model)
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("memory_plan", ROOT / "tools/memory_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
