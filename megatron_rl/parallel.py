@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from megatron_rl.flags import bad_value, option
+
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ParallelConfig:
@@ -23,13 +25,15 @@ class ParallelConfig:
     the expert gradient of its own tokens (measured: half of the true gradient's terms missing).
     """
 
-    tensor_parallel: int = 1
-    expert_parallel: int = 1
-    pipeline_parallel: int = 1
-    context_parallel: int = 1
+    tensor_parallel: int = option(1, name="tensor-model-parallel-size", help="TP size")
+    expert_parallel: int = option(1, name="expert-model-parallel-size", help="EP size")
+    pipeline_parallel: int = option(1, name="pipeline-model-parallel-size", help="PP size")
+    context_parallel: int = option(1, name="context-parallel-size", help="CP size")
     expert_tensor_parallel: int | None = None  # None: see the class docstring
-    sequence_parallel: bool | None = None  # None: on whenever tensor_parallel > 1
-    seed: int = 1234
+    sequence_parallel: bool | None = option(
+        None, help="shard activations over the TP ranks (needs TP > 1; None: on with TP > 1)"
+    )
+    seed: int = option(1234, help="seed of the model, the sampler and the rollouts")
 
     def __post_init__(self) -> None:
         if self.expert_tensor_parallel is None:
@@ -43,7 +47,7 @@ class ParallelConfig:
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelConfig.{name}={value!r}: must be an integer >= 1")
+                raise bad_value(self, name, "must be an integer >= 1")
         if self.expert_parallel == 1 and self.expert_tensor_parallel != self.tensor_parallel:
             raise ValueError(
                 f"ParallelConfig.expert_tensor_parallel={self.expert_tensor_parallel} with "
@@ -55,7 +59,8 @@ class ParallelConfig:
             self.sequence_parallel = self.tensor_parallel > 1
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError(
-                "ParallelConfig.sequence_parallel=True needs tensor_parallel > 1; set it to False"
+                "--sequence-parallel needs --tensor-model-parallel-size > 1 "
+                "(ParallelConfig.sequence_parallel, tensor_parallel)"
             )
 
     def check_world_size(self, world_size: int) -> None:

@@ -3,8 +3,7 @@ the processes sharing them, never torch's default of one thread per core in ever
 
 On a shared machine torch's default oversubscribes: two gloo ranks, the rollout engine and other
 jobs each start a thread per core, and a tiny model's small kernels then spend their time
-waiting for each other (measured on this project's 2-core machine: the main job's steps went
-from 0.14 s to 12 s under a parallel load; one thread ran the job 1.9x faster than two).
+waiting for each other (the measurement: docs/performance.md, "Threads").
 
 `auto_threads`: ``OMP_NUM_THREADS`` when the user set it; else the cores this process may use,
 minus one left to the system and other jobs, divided over the local processes

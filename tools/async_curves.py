@@ -257,7 +257,7 @@ def plan(args, extra: list[str]) -> list[tuple[Run, list[str]]]:
                 if args.train_iters is not None:
                     flags += ["--train-iters", str(args.train_iters)]
                 config = train_args(flags)
-                per_step = config.rollout_batch_size * config.n_samples_per_prompt
+                per_step = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
                 runs.append((Run(loss, mode, seed, run_dir / name, per_step), flags))
     return runs
 

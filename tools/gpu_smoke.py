@@ -31,7 +31,6 @@ out; the script prints that term separately. Exit status 0 when every check pass
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -54,7 +53,7 @@ def trainer_resume_check(device: str, quick: bool, workdir: str) -> dict:
 
     def config(name: str, iters: int, **extra) -> TrainConfig:
         folder = os.path.join(workdir, name)
-        return TrainConfig(
+        return TrainConfig.from_flags(
             device=device,
             bf16=True,
             use_distributed_optimizer=True,
@@ -67,7 +66,7 @@ def trainer_resume_check(device: str, quick: bool, workdir: str) -> dict:
             max_response_length=3,
             run_dir=folder,
             save=os.path.join(folder, "ckpt"),
-            progress=False,
+            no_progress=True,
             seed=7,
             **extra,
         )
@@ -91,7 +90,7 @@ def trainer_resume_check(device: str, quick: bool, workdir: str) -> dict:
         run(config("straight_again", 4))
         run(config("resumed", 3))
         resumed = config("resumed", 4)
-        run(dataclasses.replace(resumed, load=resumed.save))
+        run(resumed.with_flags(load=resumed.checkpoint.save))
     finally:
         torch.use_deterministic_algorithms(False)
     floor = max_param_diff("straight", "straight_again")  # run-to-run noise of this device
@@ -110,8 +109,8 @@ def slice_memory_check(device: str, tokens: int, quick: bool, workdir: str) -> d
     """(d): the 30B-shaped slice at ``tokens`` tokens; measured peak vs the memory plan."""
     from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
     from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_rl.memory_plan import Layout, PlanOptions, plan_memory
     from megatron_rl.model import ModelOptions, build_model, preset_config
-    from megatron_rl.model.memory import Layout, PlanOptions, plan_memory
     from megatron_rl.train.logprobs import forward_logits, token_entropy, token_logprobs
 
     if quick:
@@ -219,7 +218,7 @@ def feature_matrix_check(device: str, quick: bool, workdir: str) -> dict:
     arms = {}
     for name, extra in FEATURE_ARMS.items():
         folder = os.path.join(workdir, "arm_" + "".join(c if c.isalnum() else "_" for c in name))
-        config = TrainConfig(
+        config = TrainConfig.from_flags(
             device=device,
             transformer_impl="local",
             train_iters=2,
@@ -230,7 +229,7 @@ def feature_matrix_check(device: str, quick: bool, workdir: str) -> dict:
             max_response_length=4,
             run_dir=folder,
             save=os.path.join(folder, "ckpt"),
-            progress=False,
+            no_progress=True,
             seed=11,
             **extra,
         )
@@ -238,7 +237,7 @@ def feature_matrix_check(device: str, quick: bool, workdir: str) -> dict:
         try:
             metrics = run(config)
             if extra.get("ckpt_format") == "torch_dist":  # resume the saved step for one more
-                metrics = run(dataclasses.replace(config, train_iters=3, load=config.save))
+                metrics = run(config.with_flags(train_iters=3, load=config.checkpoint.save))
             bad = _finite_metrics(metrics)
             arms[name] = {"passed": not bad and bool(metrics), "non_finite": bad}
         except Exception as error:  # one arm's failure must not hide the others
@@ -268,14 +267,14 @@ def async_throughput_check(device: str, quick: bool, workdir: str) -> dict:
 
     def step_seconds(name: str, asynchronous: bool) -> float:
         folder = os.path.join(workdir, f"tp_{name}")
-        config = TrainConfig(
+        config = TrainConfig.from_flags(
             device=device,
             transformer_impl="local",
             train_iters=iters,
             async_rollout=asynchronous,
             behavior_logprobs="rollout" if asynchronous else "trainer",
             run_dir=folder,
-            progress=False,
+            no_progress=True,
         )
         run(config)
         with open(os.path.join(folder, METRICS_FILE), encoding="utf-8") as handle:
@@ -283,7 +282,7 @@ def async_throughput_check(device: str, quick: bool, workdir: str) -> dict:
         later = sorted(steps[1:])
         return later[len(later) // 2]
 
-    samples = TrainConfig().rollout_batch_size * TrainConfig().n_samples_per_prompt
+    samples = TrainConfig().samples_per_rollout
     rates: dict[str, list[float]] = {"sync": [], "async": []}
     for repeat in range(repeats):
         for arm in ("sync", "async") if repeat % 2 == 0 else ("async", "sync"):

@@ -1,19 +1,24 @@
-"""Everything megatron-core needs to run on this machine: device, process groups, optimizer."""
+"""Everything megatron-core needs to run on this machine: device, process groups, optimizer.
 
-from megatron_rl.backend.cpu import (
-    activate_cpu_backend,
-    cpu_backend_active,
-    cuda_available,
-    select_device,
-)
-from megatron_rl.backend.distributed import ParallelConfig, destroy_distributed, init_distributed
+Names are imported on first use, so that the light modules (``optimizer_config``) load without
+megatron-core.
+"""
 
-__all__ = [
-    "ParallelConfig",
-    "activate_cpu_backend",
-    "cpu_backend_active",
-    "cuda_available",
-    "destroy_distributed",
-    "init_distributed",
-    "select_device",
-]
+from __future__ import annotations
+
+from megatron_rl.lazy_exports import lazy_getattr
+
+_HOMES = {
+    "ParallelConfig": "megatron_rl.parallel",
+    "activate_cpu_backend": "megatron_rl.backend.cpu",
+    "cpu_backend_active": "megatron_rl.backend.cpu",
+    "cuda_available": "megatron_rl.backend.cpu",
+    "select_device": "megatron_rl.backend.cpu",
+    "destroy_distributed": "megatron_rl.backend.distributed",
+    "init_distributed": "megatron_rl.backend.distributed",
+}
+
+__all__ = sorted(_HOMES)
+
+
+__getattr__ = lazy_getattr("megatron_rl.backend", _HOMES, globals())

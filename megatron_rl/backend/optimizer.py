@@ -16,7 +16,6 @@ decides the same) and skips the update.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 
@@ -30,47 +29,10 @@ from megatron.core.distributed import (
 from megatron_rl.backend.cpu import cpu_backend_active
 from megatron_rl.backend.cpu_optimizer import cuda_type_names
 from megatron_rl.backend.grad_check import all_finite
+from megatron_rl.backend.optimizer_config import OptimizerConfig
 from megatron_rl.collectives import all_ranks_agree
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class OptimizerConfig:
-    """Adam hyper-parameters; ``clip_grad`` <= 0 disables clipping."""
-
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = True  # shard Adam state over data-parallel ranks
-    # megatron's HybridDeviceOptimizer: this fraction of the (sharded) Adam state and its update
-    # lives in host memory and runs on the CPU (needs CUDA and the distributed optimizer)
-    cpu_offload: bool = False
-    offload_fraction: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"OptimizerConfig.lr={self.lr}: must be finite and > 0")
-        for name in ("adam_beta1", "adam_beta2"):
-            value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"OptimizerConfig.{name}={value}: must be in [0, 1)")
-        if self.weight_decay < 0 or self.adam_eps <= 0:
-            raise ValueError("OptimizerConfig: weight_decay must be >= 0 and adam_eps > 0")
-        if not math.isfinite(self.clip_grad):
-            raise ValueError(f"OptimizerConfig.clip_grad={self.clip_grad}: must be finite")
-        if not 0.0 <= self.offload_fraction <= 1.0:
-            raise ValueError(
-                f"OptimizerConfig.offload_fraction={self.offload_fraction}: must be in [0, 1]"
-            )
-        if self.cpu_offload and not self.use_distributed_optimizer:
-            raise ValueError(
-                "OptimizerConfig.cpu_offload needs use_distributed_optimizer: megatron offloads "
-                "through the precision-aware path of its distributed optimizer"
-            )
 
 
 def megatron_optimizer_config(config: OptimizerConfig, model_config):

@@ -34,6 +34,7 @@ def compute_policy_loss(
     max_response_length: int | None = None,
     token_weights: torch.Tensor | None = None,
     check_finite: bool = True,
+    loss_config: Any = None,
     **hyperparameters: Any,
 ) -> PolicyLossOutput:
     """Compute the registered policy loss ``name``.
@@ -55,13 +56,17 @@ def compute_policy_loss(
         token_weights: optional detached per-token multipliers of the per-token loss, e.g. the
             rollout-correction weights of ``megatron_rl.losses.rollout_correction``.
         check_finite: raise ``ValueError`` on NaN/inf inside the mask (costs one device sync).
+        loss_config: the loss's own config, already built and checked (``spec.make_config``,
+            e.g. once per run by the trainer); instead of ``hyperparameters``.
         **hyperparameters: the loss's own (see ``available_losses()`` and each config class).
 
     Returns:
         ``PolicyLossOutput(loss, per_token_loss, metrics)``.
     """
     spec = get_loss_spec(name)
-    config = spec.make_config(hyperparameters)
+    if loss_config is not None and hyperparameters:
+        raise ValueError("pass the loss's hyperparameters or its built loss_config, not both")
+    config = spec.make_config(hyperparameters) if loss_config is None else loss_config
     mode = spec.default_agg_mode if loss_agg_mode is None else loss_agg_mode
     check_agg_mode(mode)
 

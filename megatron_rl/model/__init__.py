@@ -1,7 +1,7 @@
 """Qwen3-MoE policy on megatron-core: presets, config translation, builder, HF conversion,
-and the per-GPU memory plan (``memory``).
+and the pipeline layer split (``stages``). The per-GPU memory plan is `megatron_rl.memory_plan`.
 
-Names are imported on first use, so that light modules (``memory``, ``presets``) load without
+Names are imported on first use, so that light modules (``stages``, ``presets``) load without
 megatron-core.
 """
 
@@ -12,7 +12,7 @@ from megatron_rl.lazy_exports import lazy_getattr
 _HOMES = {
     "PRESET_NAMES": "megatron_rl.model.presets",
     "preset_config": "megatron_rl.model.presets",
-    "ModelOptions": "megatron_rl.model.config",
+    "ModelOptions": "megatron_rl.model.options",
     "load_hf_config": "megatron_rl.model.presets",
     "to_transformer_config": "megatron_rl.model.config",
     "build_model": "megatron_rl.model.builder",

@@ -6,7 +6,6 @@ Parallel sizes are read from megatron-core's ``parallel_state`` (initialise it f
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import logging
@@ -18,10 +17,10 @@ from megatron.core import parallel_state
 from megatron.core.transformer import TransformerConfig
 from transformers import Qwen3MoeConfig
 
-from megatron_rl.model.memory import megatron_stage_layers
+from megatron_rl.model.options import ModelOptions
+from megatron_rl.model.stages import megatron_stage_layers
 from megatron_rl.moe_layers import moe_layer_pattern
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # apex's CUDA extension behind megatron's gradient-accumulation fusion in its own linear layers
 # (``tensor_parallel/layers.py``: the output layer is one even with Transformer Engine)
 GRAD_ACCUM_FUSION_MODULE = "fused_weight_gradient_mlp_cuda"
@@ -44,43 +43,6 @@ def grad_accum_fusion_available() -> bool:
             GRAD_ACCUM_FUSION_MODULE,
         )
     return found
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class ModelOptions:
-    """Training-side choices that are not part of the HF architecture."""
-
-    dtype: str = "float32"
-    sequence_parallel: bool | None = None  # None: on whenever tensor parallel > 1
-    routing_replay: bool = False
-    aux_loss_coeff: float = 0.0
-    recompute: bool = False
-    token_dispatcher: str = "alltoall"
-    spec: str = "auto"  # layer spec: "auto" (TE on CUDA, local on CPU), "te" or "local"
-    # uneven pipeline stages: layers of the first / last stage (None: even split)
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("first_stage_layers", "last_stage_layers"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"ModelOptions.{name}={value!r}: must be an integer >= 1")
-        if self.spec not in ("auto", "te", "local"):
-            raise ValueError(f"ModelOptions.spec={self.spec!r}: choose 'auto', 'te' or 'local'")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"ModelOptions.dtype={self.dtype!r}: choose one of {list(_DTYPES)}")
-        if self.aux_loss_coeff < 0:
-            raise ValueError(f"ModelOptions.aux_loss_coeff={self.aux_loss_coeff}: must be >= 0")
-        if self.token_dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(
-                f"ModelOptions.token_dispatcher={self.token_dispatcher!r}: "
-                "use 'alltoall' or 'allgather'"
-            )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
 
 
 def rope_theta(hf_config: Qwen3MoeConfig) -> float:

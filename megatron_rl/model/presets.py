@@ -77,10 +77,11 @@ _PRESETS["tiny-dense-tied"] = dict(
 # With --rollout-dtype bfloat16 the in-process engine runs bf16 while the trainer runs fp32. The
 # router's 64 logits are close (random init, std ~0.16, so neighbouring order statistics sit
 # ~0.005 apart), and bf16's rounding of the hidden state (relative 2**-8, compounding through
-# the residual stream) moves them by about as much: the 8th and 9th experts swap on ~4-7% of
-# token-layers (more in deeper layers), against <1% for "tiny" (8 experts, top-2). Measured with
-# --routing-replay r3 --routing-record-only (routing/agreement/behaviour/layer_<n>); see
-# tools/compare_runs.py --preset mismatch.
+# the residual stream) moves them by about as much, so the 8th and 9th experts swap on a few
+# percent of token-layers, far more than with "tiny" (8 experts, top-2): measured with
+# --routing-replay r3 --routing-record-only (routing/agreement/behaviour/layer_<n>), numbers in
+# docs/performance.md ("Routing mismatch of the presets"); see tools/compare_runs.py --preset
+# mismatch.
 _PRESETS["tiny-mismatch"] = dict(
     _PRESETS["tiny"],
     num_experts=64,

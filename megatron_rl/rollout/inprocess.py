@@ -126,6 +126,13 @@ class InProcessEngine:
         """0: the in-process engine never aborts a sample."""
         return 0
 
+    def membership_metrics(self) -> dict[str, float]:
+        """{}: one engine in this process, no server membership to report."""
+        return {}
+
+    def close(self) -> None:
+        """No-op: the engine holds no threads, sockets or process groups."""
+
     def flush_cache(self) -> None:
         """No-op: KV caches live for one `generate` call; there is no cross-call prefix cache."""
 

@@ -1,6 +1,9 @@
 """The interface the trainer drives; the in-process engine and the SGLang client both satisfy it.
 
-The trainer only ever sees this protocol: which engine sits behind it is configuration.
+The trainer only ever sees this protocol: which engine sits behind it is configuration. It holds
+exactly what the trainer and its rollout phase call (`tests/train/test_engine_protocol.py`
+checks both directions); an engine's other methods (``health``, ``flush_cache``, ``score``)
+belong to the engine, not to the protocol.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from megatron_rl.rollout.types import EngineHealth, RolloutSample, SamplingParams
+from megatron_rl.rollout.types import RolloutSample, SamplingParams
 
 
 @runtime_checkable
@@ -36,8 +39,6 @@ class RolloutEngine(Protocol):
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
     ) -> None: ...
 
-    def flush_cache(self) -> None: ...
-
     def wait_until_ready(self) -> float:
         """Block until the engine can serve (servers up); the seconds waited."""
         ...
@@ -46,10 +47,13 @@ class RolloutEngine(Protocol):
         """Samples aborted by the engine (and generated again) since the last call."""
         ...
 
-    def health(self) -> EngineHealth: ...
+    def membership_metrics(self) -> dict[str, float]:
+        """Metrics of the serving membership after a sync (servers up, dropped); {} if none."""
+        ...
 
-    @property
-    def weight_version(self) -> int: ...
+    def close(self) -> None:
+        """Release the engine's threads, sockets and process groups."""
+        ...
 
 
 def check_generate_args(prompts: Sequence[Sequence[int]], n: int, vocab_size: int | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.flags import check_choice, option
 from megatron_rl.routing.codec import CODECS
 
 REPLAY_MODES = ("off", "r2", "r3")
@@ -21,15 +22,25 @@ REPLAY_MODES = ("off", "r2", "r3")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReplayConfig:
-    mode: str = "off"
-    record_only: bool = False
-    dtype: str = "auto"  # routing codec for stored routes
+    """Routing replay: R2 (recorded by the trainer) or R3 (recorded by the rollout engine)."""
+
+    mode: str = option("off", name="routing-replay", choices=REPLAY_MODES, help="off, r2 or r3")
+    record_only: bool = option(
+        False,
+        name="routing-record-only",
+        help="record and compare routes (routing/agreement/* metrics) but never replay them",
+    )
+    dtype: str = option(
+        "auto",
+        name="routing-dtype",
+        choices=CODECS,
+        help="codec of stored routes: auto (smallest integer type that holds the expert ids), "
+        "uint8, int16, int32 or packed (bit-packed)",
+    )
     measure_agreement: bool = True  # one extra router GEMM per MoE layer and forward
 
     def __post_init__(self) -> None:
-        if self.mode not in REPLAY_MODES:
-            raise ValueError(f"mode={self.mode!r} is unknown; choose one of {REPLAY_MODES}")
-        if self.dtype not in CODECS:
-            raise ValueError(f"dtype={self.dtype!r} is unknown; choose one of {CODECS}")
+        check_choice(self, "mode", REPLAY_MODES)
+        check_choice(self, "dtype", CODECS)
         if self.record_only and self.mode == "off":
-            raise ValueError("record_only needs mode='r2' or 'r3' (the routes to compare with)")
+            raise ValueError("--routing-record-only needs --routing-replay r2 or r3")

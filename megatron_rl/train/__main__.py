@@ -1,10 +1,11 @@
 """``python -m megatron_rl.train [flags]``: see ``--help`` and ``megatron_rl/train/config.py``.
 
 Flags are parsed and validated before megatron-core, transformers or a model are imported, so
-``--help`` and flag errors answer at once. Then ``--load``, the prompt data, tokenizer, prompt
-lengths and the reward function are checked (`megatron_rl.train.setup.check_task`) before the
-model is built. Each of these errors is one line, ``error: ...`` on stderr, exit status 2; set the
-environment variable ``MEGATRON_RL_DEBUG=1`` to get the full traceback as well.
+``--help`` and flag errors answer at once. Then ``--load`` is resolved and the task (prompt data,
+tokenizer, prompt lengths, reward function) is built (`megatron_rl.train.setup.build_task`)
+before the model is; the run gets both, so neither is done twice. Each of these errors is one
+line, ``error: ...`` on stderr, exit status 2; set the environment variable
+``MEGATRON_RL_DEBUG=1`` to get the full traceback as well.
 """
 
 from __future__ import annotations
@@ -39,16 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         return _start_up_error(err)
     quiet_third_party_warnings()
     from megatron_rl.train.run import TrainingStopped, resolve_load, run
-    from megatron_rl.train.setup import check_task
+    from megatron_rl.train.setup import build_task
 
     try:
-        resolve_load(config)  # checked before megatron builds anything
-        # data, tokenizer and reward before the model; the trainer reuses the loaded task
-        check_task(config.task_config())
+        load = resolve_load(config)  # checked before megatron builds anything
+        task = build_task(config.task)  # data, tokenizer and reward before the model
     except ValueError as err:  # UnicodeDecodeError included
         return _start_up_error(err)
     try:
-        run(config)
+        run(config, task=task, load=load)
     except TrainingStopped as err:
         print(f"stopped: {err}", file=sys.stderr)  # noqa: T201
         return 1

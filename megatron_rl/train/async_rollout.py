@@ -44,10 +44,15 @@ the restored weights) after a resume, so no prompt is lost or duplicated.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks
+
+logger = logging.getLogger(__name__)
 
 
 class BackgroundGeneration:
@@ -78,14 +83,12 @@ class BackgroundGeneration:
 
 @dataclass
 class AsyncState:
-    """What an async trainer keeps between steps: the batch generated for the next step."""
+    """The batch of the next step, drawn (and generated, or generating) ahead of it."""
 
-    max_staleness: int = 1
     indices: list[int] | None = None  # prompts of the next rollout (this rank's share)
     sampler_before: dict | None = None  # sampler state before the next rollout was drawn
     generation: BackgroundGeneration | None = None
     result: object = None  # the joined (samples, metrics) of the next rollout
-    timings: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def pending(self) -> bool:
@@ -96,6 +99,111 @@ class AsyncState:
             with contextlib.suppress(Exception):  # a discarded batch's error does not matter
                 self.generation.join()
         self.indices = self.sampler_before = self.generation = self.result = None
+
+
+class AsyncRollouts:
+    """`RolloutSource` of ``--async-rollout``: rollout ``k + 1`` generates while step ``k``
+    trains (see the module docstring); the first step's batch, and the first after a resume,
+    is generated in the foreground.
+
+    Metrics: ``async/staleness_*`` and ``async/dropped_batches`` of the batch taken;
+    ``time/generation`` (the generator's seconds generating within the step),
+    ``async/overlap_fraction`` (the part of it that overlapped training) and ``time/engine_idle``
+    (step time minus generation) as the generator rank saw them; ``time/trainer_idle`` (waiting
+    for the rollout: the foreground fetch at the start, the join at the end).
+    """
+
+    def __init__(self, hooks: RolloutHooks, *, max_staleness: int) -> None:
+        self.hooks = hooks
+        self.max_staleness = max_staleness
+        self.state = AsyncState()
+        self._generated: list[tuple[float, float]] = []  # generation intervals within the step
+        self._overlapped = 0.0  # seconds of background generation that overlapped training
+        self._joining = 0.0  # seconds spent waiting for the background generation
+
+    def take(self, index: int, weight_version: int) -> RolloutBatch:
+        """The batch generated ahead (regenerated when more than ``max_staleness`` versions
+        behind ``weight_version``), or generated now when none is pending."""
+        hooks, state = self.hooks, self.state
+        self._generated, self._overlapped, self._joining = [], 0.0, 0.0
+        if not state.pending:  # the first step, or after a resume: generate in the foreground
+            state.sampler_before = hooks.sampler.state_dict()
+            state.indices = hooks.draw()
+            if hooks.generate is not None:
+                state.result = self._generate_now(state.indices, index)
+        dropped = 0.0
+        if hooks.generate is not None:
+            samples, _ = state.result
+            behind = weight_version - min(s.weight_version for s in samples)
+            if behind > self.max_staleness:  # too old: the same prompts, current weights
+                state.result = self._generate_now(state.indices, index)
+                dropped = 1.0
+                logger.warning(
+                    "step %d: rollout %d versions behind (> --max-staleness %d): regenerated",
+                    index,
+                    behind,
+                    self.max_staleness,
+                )
+        samples, metrics = hooks.share(state.result)
+        batch = RolloutBatch(
+            samples=samples,
+            metrics=metrics,
+            prompts=list(state.indices),
+            sampler_before=state.sampler_before,
+        )
+        state.indices = state.sampler_before = state.result = None
+        versions = [s.weight_version for s in samples]
+        metrics.update(staleness_metrics(versions, weight_version, self.max_staleness))
+        metrics["async/dropped_batches"] = dropped
+        return batch
+
+    def _generate_now(self, prompts: list[int], index: int):
+        start = time.perf_counter()
+        result = self.hooks.generate(prompts, index)
+        self._generated.append((start, time.perf_counter()))
+        return result
+
+    def start_next(self, index: int) -> None:
+        """Draw rollout ``index``'s prompts and generate them in the background."""
+        hooks, state = self.hooks, self.state
+        state.sampler_before = hooks.sampler.state_dict()
+        state.indices = prompts = hooks.draw()
+        if hooks.generate is not None:
+            generate = hooks.generate
+            state.generation = BackgroundGeneration(lambda: generate(prompts, index))
+
+    def finish(self, train: tuple[float, float]) -> None:
+        """Join the background generation: it ends before the sync (one version per batch)."""
+        start, generation = time.perf_counter(), self.state.generation
+        if generation is not None:
+            self.state.result = generation.join()
+            interval = (generation.started, generation.finished)
+            self._generated.append(interval)
+            self._overlapped = overlap(interval, train)
+            self.state.generation = None
+        self._joining = time.perf_counter() - start
+
+    def step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The generator rank's timings on every rank (a collective), and ``time/trainer_idle``."""
+        generation = sum(end - begin for begin, end in self._generated)
+        timing = {
+            "time/generation": generation,
+            "async/overlap_fraction": self._overlapped / generation if generation > 0 else 0.0,
+            "time/engine_idle": max(0.0, metrics["time/step"] - generation),
+        }
+        out = dict(self.hooks.share(timing))
+        out["time/trainer_idle"] = metrics["time/rollout"] + self._joining
+        return out
+
+    def trained_sampler_state(self) -> dict:
+        """A batch drawn ahead is not trained on yet: the state from before it was drawn."""
+        if self.state.pending:
+            return dict(self.state.sampler_before)
+        return self.hooks.sampler.state_dict()
+
+    def clear(self) -> None:
+        """Wait for a generation still running (an error mid-step) and drop the batch."""
+        self.state.clear()
 
 
 def staleness_metrics(versions: list[int], current: int, max_staleness: int) -> dict[str, float]:

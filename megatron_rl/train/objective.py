@@ -10,13 +10,17 @@ shard losses reproduces the full-batch objective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from megatron_rl.flags import bad_value, check_choice, derived, option
 from megatron_rl.losses import (
     AGGREGATION_MODES,
+    ROLLOUT_CORRECTIONS,
     PolicyLossOutput,
+    available_losses,
     compute_policy_loss,
     get_loss_spec,
     kl_penalty,
@@ -24,28 +28,61 @@ from megatron_rl.losses import (
 from megatron_rl.losses.aggregation import aggregate_padded
 from megatron_rl.losses.kl import KL_ESTIMATORS
 
+BEHAVIOUR_LOGPROBS = ("trainer", "rollout")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ObjectiveConfig:
-    loss: str = "grpo"
-    loss_params: tuple[tuple[str, object], ...] = ()  # the loss's own hyperparameters
-    loss_agg_mode: str | None = None  # None: the loss's default
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    max_response_length: int | None = None  # Dr.GRPO's constant (seq-mean-token-sum-norm)
+    """The RL objective: policy loss, KL to the reference, rollout correction."""
+
+    loss: str = option("grpo", choices=available_losses(), help="the policy loss")
+    # the loss's own hyperparameters: one flag each (--clip-high, --delta-low, ...; see config.py)
+    loss_params: tuple[tuple[str, object], ...] = ()
+    loss_agg_mode: str | None = option(
+        None, choices=(None, *AGGREGATION_MODES), help="aggregation; default: the loss's own"
+    )
+    kl_coef: float = option(0.0, help="weight of the KL penalty to the initial policy (0: off)")
+    kl_estimator: str = option("k3", choices=KL_ESTIMATORS, help="KL estimator (k1, k2, k3, ...)")
+    reference_offload: bool = option(
+        True,
+        name="no-reference-offload",
+        help="keep the KL reference model on the GPU (default: host memory between uses)",
+    )
+    rollout_correction: str = option(
+        "none",
+        choices=("none", *ROLLOUT_CORRECTIONS),
+        help="reweight / mask tokens by the trainer/rollout probability ratio",
+    )
+    behavior_logprobs: str = option(
+        "trainer",
+        choices=BEHAVIOUR_LOGPROBS,
+        help="the loss's old log-probs: the trainer's recomputation or the rollout engine's",
+    )
+    max_response_length: int | None = derived(None, source="rollout.max_response_length")
     agg_mode: str = field(init=False)  # resolved aggregation, used by both terms
+    loss_config: object = field(init=False)  # the loss's own config, built and checked once
 
     def __post_init__(self) -> None:
-        spec = get_loss_spec(self.loss)  # names the registered losses when unknown
+        check_choice(self, "loss", available_losses())
+        spec = get_loss_spec(self.loss)
         mode = self.loss_agg_mode or spec.default_agg_mode
         if mode not in AGGREGATION_MODES:
-            raise ValueError(f"loss_agg_mode={mode!r}: choose one of {AGGREGATION_MODES}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator={self.kl_estimator!r}: choose one of {KL_ESTIMATORS}")
-        if not self.kl_coef >= 0:
-            raise ValueError(f"kl_coef={self.kl_coef}: must be >= 0")
-        spec.make_config(dict(self.loss_params))  # the loss's own value checks
+            raise bad_value(self, "loss_agg_mode", f"choose one of {AGGREGATION_MODES}")
+        check_choice(self, "kl_estimator", KL_ESTIMATORS)
+        if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
+            raise bad_value(self, "kl_coef", "must be a finite number >= 0")
+        check_choice(self, "rollout_correction", ("none", *ROLLOUT_CORRECTIONS))
+        check_choice(self, "behavior_logprobs", BEHAVIOUR_LOGPROBS)
+        known = [f.name for f in fields(spec.config_cls)]
+        for name, _ in self.loss_params:
+            if name not in known:
+                theirs = ", ".join(f"--{k.replace('_', '-')}" for k in known) or "none"
+                raise ValueError(
+                    f"--{name.replace('_', '-')} is not a hyperparameter of --loss {self.loss} "
+                    f"(its hyperparameters: {theirs}); drop the flag or choose the loss that has it"
+                )
         object.__setattr__(self, "agg_mode", mode)
+        object.__setattr__(self, "loss_config", spec.make_config(dict(self.loss_params)))
 
 
 def objective(
@@ -78,7 +115,7 @@ def objective(
         global_num_seqs=num_seqs,
         max_response_length=config.max_response_length,
         token_weights=token_weights_BT,
-        **dict(config.loss_params),
+        loss_config=config.loss_config,
     )
     if ref_logprobs_BT is not None:
         kl_BT = kl_penalty(logprobs_BT, ref_logprobs_BT, loss_mask_BT, config.kl_estimator)

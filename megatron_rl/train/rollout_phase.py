@@ -13,33 +13,9 @@ import torch
 
 from megatron_rl.rewards import compute_rewards
 from megatron_rl.rollout import SamplingParams
-from megatron_rl.train.advantages import ADVANTAGE_ESTIMATORS, group_advantages
+from megatron_rl.train.advantages import group_advantages
 from megatron_rl.train.batch import TrainSample
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RolloutConfig:
-    """Sampling and grouping of the rollout phase (built by `TrainConfig.rollout_config`)."""
-
-    n_samples_per_prompt: int = 8
-    max_response_length: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    advantage_estimator: str = "grpo"
-    filter_zero_variance_groups: bool = False
-
-    def __post_init__(self) -> None:
-        if self.n_samples_per_prompt < 1 or self.max_response_length < 1:
-            raise ValueError(
-                f"RolloutConfig: n_samples_per_prompt={self.n_samples_per_prompt} and "
-                f"max_response_length={self.max_response_length} must be >= 1"
-            )
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"RolloutConfig.advantage_estimator={self.advantage_estimator!r}: choose one of "
-                f"{ADVANTAGE_ESTIMATORS}"
-            )
+from megatron_rl.train.rollout_config import RolloutConfig
 
 
 @dataclass(slots=True)

@@ -26,11 +26,13 @@ from megatron_rl.train.checkpoint import (
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.preemption import PreemptionHandler
 from megatron_rl.train.run_logger import RunLogger, plot_learning_curve
+from megatron_rl.train.setup import Task
 from megatron_rl.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 _STEP_FOLDER = re.compile(r"step_(\d{8})")
+_RESOLVE = object()  # `run`'s ``load`` when the caller did not resolve ``--load``
 
 
 class TrainingStopped(RuntimeError):
@@ -44,10 +46,12 @@ def resolve_load(config: TrainConfig) -> tuple[str, int | None] | None:
     (auto-resume: the first run starts fresh). A step folder (``root/step_00000100``) is loaded as
     that step of its root.
     """
-    if not config.load:
+    if not config.checkpoint.load:
         return None
-    path = os.path.normpath(config.load)
-    same_as_save = config.save is not None and path == os.path.normpath(config.save)
+    path = os.path.normpath(config.checkpoint.load)
+    same_as_save = config.checkpoint.save is not None and path == os.path.normpath(
+        config.checkpoint.save
+    )
     match = _STEP_FOLDER.fullmatch(os.path.basename(path))
     if match and os.path.isfile(os.path.join(path, META_FILE)):
         root = os.path.dirname(path) or "."
@@ -60,17 +64,29 @@ def resolve_load(config: TrainConfig) -> tuple[str, int | None] | None:
         return None
     what = "does not exist" if not os.path.exists(path) else "holds no complete checkpoint"
     raise ValueError(
-        f"--load {config.load} {what}: pass a checkpoint root (the --save folder of an earlier "
-        "run, holding step_XXXXXXXX folders) or one of its step folders, or drop --load"
+        f"--load {config.checkpoint.load} {what}: pass a checkpoint root (the --save folder of an "
+        "earlier run, holding step_XXXXXXXX folders) or one of its step folders, or drop --load"
     )
 
 
-def run(config: TrainConfig, **dist_kwargs) -> dict:
-    """Train for ``config.train_iters`` steps; returns the last step's metrics."""
-    load = resolve_load(config)  # a bad --load fails before anything is built
+def run(
+    config: TrainConfig,
+    *,
+    task: Task | None = None,
+    load: object = _RESOLVE,  # `resolve_load`'s answer: (root, step or None) or None
+    **dist_kwargs,
+) -> dict:
+    """Train for ``config.schedule.train_iters`` steps; returns the last step's metrics.
+
+    ``task``: the built task (`build_task`), else the trainer builds it. ``load``: what
+    `resolve_load` answered, when the caller resolved ``--load`` already (``python -m
+    megatron_rl.train`` does, before megatron starts); else it is resolved here.
+    """
+    if load is _RESOLVE:
+        load = resolve_load(config)  # a bad --load fails before anything is built
     with contextlib.ExitStack() as stack:
         preemption = stack.enter_context(PreemptionHandler())
-        trainer = Trainer(config, **dist_kwargs)
+        trainer = Trainer(config, task=task, **dist_kwargs)
         stack.callback(trainer.close)
         saver = stack.enter_context(_Saver(trainer, config))  # commits before trainer.close
         if load is not None:
@@ -80,7 +96,7 @@ def run(config: TrainConfig, **dist_kwargs) -> dict:
                 model=trainer.model,
                 optimizer=trainer.optimizer,
                 step=step,
-                fallback=config.load_fallback,
+                fallback=config.checkpoint.load_fallback,
             )
             trainer.load_state_dict(state)
             saver.saved_step = trainer.step_index  # that step is on disk already
@@ -96,12 +112,12 @@ def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> 
     is_main = dist.get_rank() == 0
     run_config = dataclasses.asdict(config)
     with RunLogger(
-        config.logger_config(),
+        config.logging,
         run_config=run_config,
         is_main=is_main,
         initial_step=trainer.step_index,
     ) as run_logger:
-        while trainer.step_index < config.train_iters:
+        while trainer.step_index < config.schedule.train_iters:
             metrics = trainer.step(should_stop=preemption.agreed)
             if metrics is None:  # stopped after the rollout: the last step is the state
                 saver.save_and_stop("stop signal")
@@ -112,7 +128,7 @@ def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> 
             if trainer.nonfinite.exhausted:
                 saver.save_and_stop("non-finite updates")
                 raise TrainingStopped(trainer.nonfinite.stop_message(trainer.step_index))
-            interval = config.save_interval
+            interval = config.checkpoint.save_interval
             if interval and trainer.step_index % interval == 0:
                 saver.save()
             if preemption.agreed():
@@ -121,9 +137,11 @@ def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> 
         saver.save()
         saver.wait()
     if is_main:
-        metrics_path = os.path.join(config.run_dir, "metrics.jsonl")
+        metrics_path = os.path.join(config.logging.run_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):
-            plot_learning_curve(metrics_path, os.path.join(config.run_dir, "learning_curve.png"))
+            plot_learning_curve(
+                metrics_path, os.path.join(config.logging.run_dir, "learning_curve.png")
+            )
     return last
 
 
@@ -155,7 +173,7 @@ class _Saver:
             self.pending = None
 
     def save(self) -> None:
-        if not self.config.save or self.saved_step == self.trainer.step_index:
+        if not self.config.checkpoint.save or self.saved_step == self.trainer.step_index:
             return
         self.wait()
         kwargs = dict(
@@ -163,11 +181,16 @@ class _Saver:
             optimizer=self.trainer.optimizer,
             rl_state=self.trainer.state_dict(),  # snapshotted now, with the tensors
         )
-        if self.config.async_save:
-            self.pending = start_async_save(self.config.save, self.trainer.step_index, **kwargs)
+        if self.config.checkpoint.async_save:
+            self.pending = start_async_save(
+                self.config.checkpoint.save, self.trainer.step_index, **kwargs
+            )
         else:
             save_training_state(
-                self.config.save, self.trainer.step_index, fmt=self.config.ckpt_format, **kwargs
+                self.config.checkpoint.save,
+                self.trainer.step_index,
+                fmt=self.config.checkpoint.ckpt_format,
+                **kwargs,
             )
         self.saved_step = self.trainer.step_index
 
@@ -184,8 +207,10 @@ class _Saver:
 
     def save_and_stop(self, why: str) -> None:
         step = self.trainer.step_index
-        if self.config.save:
-            logger.warning("%s: saving step %d to %s and exiting", why, step, self.config.save)
+        if self.config.checkpoint.save:
+            logger.warning(
+                "%s: saving step %d to %s and exiting", why, step, self.config.checkpoint.save
+            )
         else:
             logger.warning("%s: exiting at step %d (no --save: nothing is saved)", why, step)
         self.save()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from megatron_rl.atomic_io import atomic_write_text
+from megatron_rl.flags import derived, option
 
 logger = logging.getLogger(__name__)
 
@@ -36,13 +37,13 @@ _WANDB_MODES = ("offline", "online", "disabled")
 class RunLoggerConfig:
     """Where metrics go. ``wandb_project=None`` or ``wandb_mode="disabled"`` turns wandb off."""
 
-    run_dir: str
-    total_steps: int
-    wandb_project: str | None = None
-    wandb_mode: str = "offline"
-    wandb_run_name: str | None = None
+    run_dir: str = option("runs/latest", help="metrics.jsonl, run_config.json, plots")
+    total_steps: int = derived(0, source="schedule.train_iters")
+    wandb_project: str | None = option(None, help="log to wandb under this project")
+    wandb_mode: str = option("offline", choices=_WANDB_MODES, help="wandb mode")
+    wandb_run_name: str | None = option(None, name="wandb-exp-name", help="wandb run name")
     headline: tuple[str, ...] = ("reward/mean", "accuracy", "response_length/mean", "time/step")
-    show_progress: bool = True
+    show_progress: bool = option(True, name="no-progress", help="no console progress bar")
 
     def __post_init__(self) -> None:
         if not self.run_dir:

@@ -1,8 +1,8 @@
 """Everything the trainer builds from configuration before the first step: task, policy config.
 
-`check_task` builds the task (tokenizer, prompts, reward function) before the model, so a bad data
-file or reward fails in seconds with a message naming the file, row and field; `build_task` keeps
-the last task it built, so the trainer's own `build_task` call does not load the dataset again.
+`build_task` builds the task (tokenizer, prompts, reward function, the policy's HF config) before
+the model, so a bad data file or reward fails in seconds with a message naming the file, row and
+field; ``python -m megatron_rl.train`` builds it once and hands it to the trainer.
 
 Prompt length: a prompt plus ``--max-response-length`` generated tokens must fit the model's
 context (``max_position_embeddings``), so the prompt limit is ``max_position_embeddings -
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_rl.data import (
@@ -27,59 +28,29 @@ from megatron_rl.data.dataset import PROMPT_TOO_LONG
 from megatron_rl.model import preset_config
 from megatron_rl.model.presets import PRESET_NAMES, load_hf_config
 from megatron_rl.rewards import get_reward_fn
+from megatron_rl.train.task_config import TaskConfig
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TaskConfig:
-    """The policy checkpoint, prompts and reward (built by `TrainConfig.task_config`)."""
+class Task:
+    """A built task (`build_task`): what the trainer needs of the prompts, reward and policy."""
 
-    model: str = "tiny"  # a preset name or a HF Qwen3-MoE checkpoint folder
-    prompt_data: str | None = None  # None: the built-in task
-    tokenizer: str | None = None  # default: the --model folder
-    max_prompt_length: int | None = None
-    max_response_length: int = 4  # a prompt gets the model's context minus this
-    prompt_too_long: str = "error"  # or "drop", "truncate-left"
-    reward: str = "builtin"
-    seed: int = 1234
-    tensor_parallel: int = 1  # the toy presets' vocabulary is padded to a multiple of it
+    tokenizer: object
+    records: list  # the prompt records (`megatron_rl.data.PromptRecord`, immutable)
+    reward_fn: Callable[[str, str], float]
+    hf_config: object  # the policy's HF config (`load_policy_config`)
+    checkpoint_dir: str | None  # the policy's weights; None: a preset, randomly initialised
+    seed: int
 
-
-_task_cache: dict = {}  # the last (config, file stamp) -> (tokenizer, records, reward_fn)
+    def new_sampler(self) -> PromptSampler:
+        """A prompt sampler at the start of epoch 0 over ``records``."""
+        return PromptSampler(len(self.records), seed=self.seed)
 
 
-def check_task(config: TaskConfig) -> None:
-    """Build the task (tokenizer, prompts, reward function) or raise ValueError saying what to fix.
-
-    Called before the model is built; the result is kept for the trainer's `build_task`.
-    """
-    build_task(config)
-
-
-def build_task(config: TaskConfig):
-    """``(tokenizer, prompt records, reward function, prompt sampler)``.
-
-    The dataset is loaded once per process for a given config and unchanged file (the last one
-    is kept); each call gets a fresh sampler and its own list of the (immutable) records.
-    """
-    key = (config, _file_stamp(config.prompt_data))
-    if key not in _task_cache:
-        _task_cache.clear()
-        _task_cache[key] = _load_task(config)
-    tokenizer, records, reward_fn = _task_cache[key]
-    return tokenizer, list(records), reward_fn, PromptSampler(len(records), seed=config.seed)
-
-
-def _file_stamp(path: str | None) -> tuple[int, int] | None:
-    try:
-        stat = os.stat(path) if path is not None else None
-    except OSError:
-        return None
-    return None if stat is None else (stat.st_mtime_ns, stat.st_size)
-
-
-def _load_task(config: TaskConfig):
+def build_task(config: TaskConfig) -> Task:
+    """Load the tokenizer, prompts and reward function, or raise ValueError saying what to fix."""
     if config.prompt_too_long not in PROMPT_TOO_LONG:
         raise ValueError(
             f"--prompt-too-long {config.prompt_too_long!r}: choose one of "
@@ -87,34 +58,47 @@ def _load_task(config: TaskConfig):
         )
     reward_fn = get_reward_fn(config.reward)  # cheap, so first
     _check_reward_dependencies(config.reward)
-    if config.prompt_data is None:
+    builtin = config.prompt_data is None
+    if builtin:
         tokenizer, records = builtin_task(BuiltinTaskConfig(seed=config.seed))
-        hf_config, _ = load_policy_config(config, tokenizer)
-        limit, source = prompt_length_limit(config, hf_config)
+    else:
+        tokenizer, records = _prompt_data_tokenizer(config), []
+    hf_config, checkpoint_dir = load_policy_config(config, tokenizer)
+    limit, source = prompt_length_limit(config, hf_config)
+    if builtin:
         longest = max(len(r.prompt_ids) for r in records)
         if longest > limit:
             raise ValueError(
                 f"the built-in task's prompts have {longest} tokens > {limit} ({source}); "
                 "lower --max-response-length or raise --max-prompt-length"
             )
-        return tokenizer, records, reward_fn
+    else:
+        records = load_prompt_dataset(
+            config.prompt_data,
+            tokenizer,
+            max_prompt_length=limit,
+            prompt_too_long=config.prompt_too_long,
+            limit_source=source,
+        )
+    return Task(
+        tokenizer=tokenizer,
+        records=records,
+        reward_fn=reward_fn,
+        hf_config=hf_config,
+        checkpoint_dir=checkpoint_dir,
+        seed=config.seed,
+    )
+
+
+def _prompt_data_tokenizer(config: TaskConfig):
+    """The tokenizer of ``--prompt-data``: ``--tokenizer`` or the ``--model`` folder."""
     tokenizer_dir = config.tokenizer or config.model
     if not os.path.isdir(tokenizer_dir):
         raise ValueError(
             f"--prompt-data needs a tokenizer: pass --tokenizer (a HF tokenizer folder) or a "
             f"checkpoint folder as --model; got {tokenizer_dir!r}"
         )
-    tokenizer = load_tokenizer(tokenizer_dir)
-    hf_config, _ = load_policy_config(config, tokenizer)
-    limit, source = prompt_length_limit(config, hf_config)
-    records = load_prompt_dataset(
-        config.prompt_data,
-        tokenizer,
-        max_prompt_length=limit,
-        prompt_too_long=config.prompt_too_long,
-        limit_source=source,
-    )
-    return tokenizer, records, reward_fn
+    return load_tokenizer(tokenizer_dir)
 
 
 def prompt_length_limit(config: TaskConfig, hf_config) -> tuple[int, str]:

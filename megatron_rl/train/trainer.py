@@ -21,6 +21,7 @@ Engine's attention and is not implemented.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -44,14 +45,10 @@ from megatron_rl.losses import rollout_correction
 from megatron_rl.model import build_model
 from megatron_rl.model.conversion import iter_hf_tensors_every_stage
 from megatron_rl.moe_layers import moe_layer_numbers
+from megatron_rl.rollout.protocol import RolloutEngine
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
-from megatron_rl.train.async_rollout import (
-    AsyncState,
-    BackgroundGeneration,
-    overlap,
-    staleness_metrics,
-)
+from megatron_rl.train.async_rollout import AsyncRollouts
 from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.config import TrainConfig
@@ -62,24 +59,39 @@ from megatron_rl.train.objective import objective
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.reference import ReferencePolicy
 from megatron_rl.train.rollout_phase import run_rollout
-from megatron_rl.train.setup import build_task, load_policy_config
+from megatron_rl.train.rollout_source import RolloutHooks, RolloutSource, SyncRollouts
+from megatron_rl.train.setup import Task, build_task
 from megatron_rl.train.sync_wait import SyncWait, hf_model_bytes, weight_sync_timeout_s
 
 logger = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, *, rank=None, world_size=None, init_method=None):
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        task: Task | None = None,
+        rank=None,
+        world_size=None,
+        init_method=None,
+    ):
+        """``task``: the built task (`build_task`, e.g. by ``python -m megatron_rl.train``, which
+        checks it before megatron starts); built here from ``config`` when None."""
         self.config = config
-        parallel = config.parallel_config()
+        parallel = config.parallel
         world = world_size if world_size is not None else _env_world_size()
         self.dp = config.data_parallel_size(world)  # validates before anything is built
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)  # ranks sharing this machine
-        if config.async_rollout:  # each rank's generation thread shares the cores too
+        if config.rollout.async_rollout:  # each rank's generation thread shares the cores too
             local *= 2
-        self.num_threads = configure_threads(config.torch_threads, local_processes=local)
+        self.num_threads = configure_threads(config.runtime.torch_threads, local_processes=local)
         self.device = init_distributed(
-            parallel, rank=rank, world_size=world, init_method=init_method, device=config.device
+            parallel,
+            rank=rank,
+            world_size=world,
+            init_method=init_method,
+            device=config.runtime.device,
         )
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -90,27 +102,28 @@ class Trainer:
         self.mp_src = parallel_state.get_model_parallel_src_rank()
         self.is_generator = dist.get_rank() == self.mp_src
         self.seq_multiple = parallel.tensor_parallel if parallel.sequence_parallel else 1
-        task = config.task_config()
-        self.tokenizer, self.records, self.reward_fn, self.sampler = build_task(task)
-        self.hf_config, checkpoint_dir = load_policy_config(task, self.tokenizer)
-        options = config.model_options()
+        task = task if task is not None else build_task(config.task)
+        self.tokenizer, self.records, self.reward_fn = task.tokenizer, task.records, task.reward_fn
+        self.sampler = task.new_sampler()
+        self.hf_config = task.hf_config
+        options = config.model
         model = build_model(self.hf_config, options)
-        if checkpoint_dir is not None:
+        if task.checkpoint_dir is not None:
             from megatron_rl.model.conversion import load_checkpoint
 
-            load_checkpoint(model, checkpoint_dir, self.hf_config)
+            load_checkpoint(model, task.checkpoint_dir, self.hf_config)
         self.model = wrap_for_training(
             model,
-            use_distributed_optimizer=config.use_distributed_optimizer,
-            overlap_grad_reduce=config.overlap_grad_reduce,
+            use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
+            overlap_grad_reduce=config.optimizer.overlap_grad_reduce,
         )
-        self.optimizer = build_optimizer(self.model, config.optimizer_config())
-        self.objective = config.objective_config()
-        self.rollout_config = config.rollout_config()
-        self.reference = self._build_reference(options) if config.kl_coef > 0 else None
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.objective = config.objective
+        self.rollout_config = config.rollout
+        self.reference = self._build_reference(options) if config.objective.kl_coef > 0 else None
         self.replay = build_replay_passes(
             self.model,
-            config.replay_config(),
+            config.replay,
             num_experts=self.hf_config.num_experts,
             topk=self.hf_config.num_experts_per_tok,
             moe_layer_numbers=moe_layer_numbers(self.hf_config),
@@ -121,32 +134,38 @@ class Trainer:
             ),
             pipeline_group=self.pp_group if self.pp > 1 else None,
         )
-        self.nonfinite = NonFiniteGuard(config.max_bad_steps)
-        self.engine = None
-        if self.is_generator or config.rollout_engine == "sglang":
+        self.nonfinite = NonFiniteGuard(config.schedule.max_bad_steps)
+        self.engine: RolloutEngine | None = None
+        engine_config = config.engine
+        if self.is_generator or engine_config.remote:  # remote: every rank holds a client
             self.engine = build_engine(
-                config.engine_config(), self.hf_config, self.tokenizer.pad_token_id, config.seed
+                engine_config, self.hf_config, self.tokenizer.pad_token_id, config.parallel.seed
             )
             # SGLang listens only once its model is loaded: wait before the first sync
             waited = self.engine.wait_until_ready()
             if waited > 1.0:
                 logger.info("rollout servers ready after %.0f s", waited)
+        # remote servers receive the whole model from rank 0; an in-process engine, its own
+        self.pushes_weights = self.engine is not None and (
+            not engine_config.remote or dist.get_rank() == 0
+        )
         self.step_index = 0
         self.weight_version = 0
-        self._async = (
-            AsyncState(max_staleness=config.max_staleness) if config.async_rollout else None
-        )
-        self.trained_prompts: list[int] = []  # async: this rank's prompts of the last step
-        # SGLang: rank 0 pushes the whole model while the others wait (see train/sync_wait.py)
+        self.rollouts = self._rollout_source()
+        self.trained_prompts: list[int] = []  # this rank's prompts of the last step
+        # remote: the other ranks wait for rank 0's push (see train/sync_wait.py)
         self.sync_wait = None
-        if config.rollout_engine == "sglang":
-            push_dtype = torch.bfloat16 if config.bf16 else torch.float32
+        if engine_config.remote:
+            push_dtype = torch.bfloat16 if (config.model.dtype == "bfloat16") else torch.float32
             model_bytes = hf_model_bytes(self.hf_config, push_dtype)
             self.sync_wait = SyncWait(
-                weight_sync_timeout_s(model_bytes, config.weight_sync_min_gbps)
+                weight_sync_timeout_s(model_bytes, config.engine.weight_sync_min_gbps)
             )
-        async_ratio = config.behavior_logprobs == "trainer" and config.rollout_correction == "none"
-        if config.async_rollout and async_ratio:
+        async_ratio = (
+            config.objective.behavior_logprobs == "trainer"
+            and config.objective.rollout_correction == "none"
+        )
+        if config.rollout.async_rollout and async_ratio:
             logger.warning(
                 "--async-rollout with --behavior-logprobs trainer and no --rollout-correction: "
                 "the loss's ratio is taken against the current weights, not the policy that "
@@ -158,48 +177,60 @@ class Trainer:
     def step(self, should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
         """One RL step; returns this step's metrics (averaged over all ranks).
 
+        The rollout comes from ``self.rollouts`` (`megatron_rl.train.rollout_source`): generated
+        now, or with ``--async-rollout`` generated while the previous step trained, the next one
+        generating while this one trains (`megatron_rl.train.async_rollout`).
         ``should_stop`` (a collective, e.g. `PreemptionHandler.agreed`) is asked after the rollout
         and before every update, so a stop signal is served within one update, not one step:
         after the rollout the step is abandoned (the prompts are drawn again after a resume) and
         None is returned; before an update the remaining updates are skipped and the step ends.
-        With ``--async-rollout`` the next rollout is generated while this one trains
-        (`_async_step`, `megatron_rl.train.async_rollout`).
         """
-        if self._async is not None:
-            return self._async_step(should_stop)
         start = time.perf_counter()
-        sampler_state = self.sampler.state_dict()
-        samples, metrics = self.rollout()
+        batch = self.rollouts.take(self.step_index, self.weight_version)
         if should_stop is not None and should_stop():
-            self.sampler.load_state_dict(sampler_state)
+            self.sampler.load_state_dict(batch.sampler_before)
             return None
+        self.trained_prompts = batch.prompts
+        metrics = batch.metrics
         metrics["time/rollout"] = time.perf_counter() - start
-        metrics.update(self.train_on(samples, should_stop))
-        self._sync_and_close_step(metrics)
-        metrics["time/step"] = time.perf_counter() - start
-        metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
-        self.step_index += 1
-        return mean_over_ranks(metrics)
-
-    def _sync_and_close_step(self, metrics: dict[str, float]) -> None:
-        """Weight sync to the next version, then the sync's and routing replay's step metrics."""
+        if self.step_index + 1 < self.config.schedule.train_iters:  # not after the run's last step
+            self.rollouts.start_next(self.step_index + 1)
+        train_start = time.perf_counter()
+        metrics.update(self.train_on(batch.samples, should_stop))
+        self.rollouts.finish(train=(train_start, time.perf_counter()))
         t = time.perf_counter()
         self.sync_weights(version=self.weight_version + 1)
         metrics["time/sync"] = time.perf_counter() - t
         metrics.update(self.sync_metrics)
         metrics.update(self.replay.metrics())
         self.replay.end_step()
+        metrics["time/step"] = time.perf_counter() - start
+        metrics.update(self.rollouts.step_metrics(metrics))
+        metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
+        self.step_index += 1
+        return mean_over_ranks(metrics)
 
     def rollout(self) -> tuple[list[TrainSample], dict[str, float]]:
         """This data-parallel rank's samples of the next prompt batch, and rollout metrics."""
-        mine = self._draw_prompts()
-        result = self._generate(mine, self.step_index) if self.is_generator else None
-        return broadcast_object(result, src=self.mp_src, group=self.mp_group)
+        batch = self.rollouts.take(self.step_index, self.weight_version)
+        return batch.samples, batch.metrics
+
+    def _rollout_source(self) -> RolloutSource:
+        """Rollouts generated when a step asks, or ahead of it (``--async-rollout``)."""
+        hooks = RolloutHooks(
+            sampler=self.sampler,
+            draw=self._draw_prompts,
+            generate=self._generate if self.is_generator else None,
+            share=functools.partial(broadcast_object, src=self.mp_src, group=self.mp_group),
+        )
+        if self.config.rollout.async_rollout:
+            return AsyncRollouts(hooks, max_staleness=self.config.rollout.max_staleness)
+        return SyncRollouts(hooks)
 
     def _draw_prompts(self) -> list[int]:
         """This data-parallel rank's share of the next ``rollout_batch_size`` prompts."""
-        indices = self.sampler.next_batch(self.config.rollout_batch_size)
-        per_rank = self.config.rollout_batch_size // self.dp
+        indices = self.sampler.next_batch(self.config.rollout.rollout_batch_size)
+        per_rank = self.config.rollout.rollout_batch_size // self.dp
         return indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def _generate(self, mine: list[int], rollout_index: int):
@@ -212,85 +243,10 @@ class Trainer:
             self.tokenizer,
             self.reward_fn,
             self.rollout_config,
-            seed=config.seed * 1_000_003 + rollout_index * 1009 + self.dp_rank,
-            return_routes=config.routing_replay == "r3",
+            seed=config.parallel.seed * 1_000_003 + rollout_index * 1009 + self.dp_rank,
+            return_routes=config.replay.mode == "r3",
         )
         return result.samples, result.metrics
-
-    # ------------------------------------------------------------------ async rollouts
-    def _async_step(self, should_stop) -> dict[str, float] | None:
-        """`step` with ``--async-rollout`` (see `megatron_rl.train.async_rollout`)."""
-        state = self._async
-        start = time.perf_counter()
-        generated: list[tuple[float, float]] = []  # generation intervals within this step
-        if not state.pending:  # the first step, or after a resume: generate in the foreground
-            state.sampler_before = self.sampler.state_dict()
-            state.indices = self._draw_prompts()
-            if self.is_generator:
-                state.result = self._generate(state.indices, self.step_index)
-                generated.append((start, time.perf_counter()))
-        dropped = 0.0
-        if self.is_generator:
-            samples, _ = state.result
-            behind = self.weight_version - min(s.weight_version for s in samples)
-            if behind > state.max_staleness:  # too old: the same prompts, current weights
-                t = time.perf_counter()
-                state.result = self._generate(state.indices, self.step_index)
-                generated.append((t, time.perf_counter()))
-                dropped = 1.0
-                logger.warning(
-                    "step %d: rollout %d versions behind (> --max-staleness %d): regenerated",
-                    self.step_index,
-                    behind,
-                    state.max_staleness,
-                )
-        samples, metrics = broadcast_object(state.result, src=self.mp_src, group=self.mp_group)
-        prompts, before = state.indices, state.sampler_before
-        state.indices = state.sampler_before = state.result = None
-        if should_stop is not None and should_stop():
-            self.sampler.load_state_dict(before)  # this batch is drawn again after a resume
-            return None
-        self.trained_prompts = list(prompts)
-        metrics["time/rollout"] = time.perf_counter() - start
-        metrics.update(
-            staleness_metrics(
-                [s.weight_version for s in samples], self.weight_version, state.max_staleness
-            )
-        )
-        metrics["async/dropped_batches"] = dropped
-        # the next rollout, generated while this one trains (not after the run's last step)
-        if self.step_index + 1 < self.config.train_iters:
-            state.sampler_before = self.sampler.state_dict()
-            state.indices = mine = self._draw_prompts()
-            if self.is_generator:
-                index = self.step_index + 1
-                state.generation = BackgroundGeneration(lambda: self._generate(mine, index))
-        train_start = time.perf_counter()
-        metrics.update(self.train_on(samples, should_stop))
-        train = (train_start, time.perf_counter())
-        overlapped, t = 0.0, time.perf_counter()
-        if state.generation is not None:
-            state.result = state.generation.join()  # before the sync: one version per batch
-            interval = (state.generation.started, state.generation.finished)
-            generated.append(interval)
-            overlapped = overlap(interval, train)
-            state.generation = None
-        joining = time.perf_counter() - t
-        self._sync_and_close_step(metrics)
-        metrics["time/step"] = time.perf_counter() - start
-        generation = sum(end - begin for begin, end in generated)
-        timing = {
-            "time/generation": generation,
-            "async/overlap_fraction": overlapped / generation if generation > 0 else 0.0,
-            "time/engine_idle": max(0.0, metrics["time/step"] - generation),
-        }
-        # the generator rank's view on every rank
-        metrics.update(broadcast_object(timing, src=self.mp_src, group=self.mp_group))
-        # waiting for the rollout: the foreground fetch at the start, the join at the end
-        metrics["time/trainer_idle"] = metrics["time/rollout"] + joining
-        metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
-        self.step_index += 1
-        return mean_over_ranks(metrics)
 
     def train_on(
         self, samples: list[TrainSample], should_stop: Callable[[], bool] | None = None
@@ -302,8 +258,8 @@ class Trainer:
         returns this rank's metrics (not yet averaged over ranks). ``should_stop``: see `step`.
         """
         metrics: dict[str, float] = {}
-        minibatches = split(samples, self.config.global_batch_size // self.dp)
-        if self.config.balance_data and self.dp > 1:
+        minibatches = split(samples, self.config.schedule.global_batch_size // self.dp)
+        if self.config.schedule.balance_data and self.dp > 1:
             minibatches = self._balance(minibatches, metrics)
         batches = [self._micro_batches(minibatch) for minibatch in minibatches]
         real = sum(sum(mb.lengths) for row in batches for mb in row)
@@ -358,14 +314,14 @@ class Trainer:
     def _micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
         """One mini-batch share as padded micro-batches on ``self.device``: ``micro_batch_size``
         rows each, or by token budget (``--max-tokens-per-gpu``; longest samples first)."""
-        budget = self.config.token_budget
+        budget = self.config.schedule.token_budget
         if budget:
             groups = token_budget_micro_batches(
                 [s.length for s in samples], budget, self.seq_multiple
             )
             chunks = [[samples[i] for i in group] for group in groups]
         else:
-            chunks = split(samples, self.config.micro_batch_size)
+            chunks = split(samples, self.config.schedule.micro_batch_size)
         return [
             make_micro_batch(chunk, self.tokenizer.pad_token_id, self.seq_multiple).to(self.device)
             for chunk in chunks
@@ -385,13 +341,15 @@ class Trainer:
         refs: list = [None] * len(flat)
         if self.reference is not None:
             with self.reference.resident():
-                refs = self.reference.logprobs(flat, self.config.temperature)
+                refs = self.reference.logprobs(flat, self.config.rollout.temperature)
 
         def on_logits(k: int, logits: torch.Tensor) -> None:
             mb = flat[k]
             entry = self._behaviour_entry(mb, logits, refs[k])
             gaps.append((entry["old"] - mb.rollout_logprobs_BT)[mb.loss_mask_BT])
-            entropies.append(token_entropy(logits, self.config.temperature)[mb.loss_mask_BT])
+            entropies.append(
+                token_entropy(logits, self.config.rollout.temperature)[mb.loss_mask_BT]
+            )
             entries[k] = entry
 
         self.model.eval()
@@ -412,12 +370,14 @@ class Trainer:
     def _behaviour_entry(self, mb: MicroBatch, logits, ref_logprobs) -> dict:
         """What the updates of one micro-batch need from the old-logprob pass."""
         config = self.config
-        old = token_logprobs(logits, mb.tokens_BS, config.temperature)
-        behaviour = old if config.behavior_logprobs == "trainer" else mb.rollout_logprobs_BT
+        old = token_logprobs(logits, mb.tokens_BS, config.rollout.temperature)
+        behaviour = (
+            old if config.objective.behavior_logprobs == "trainer" else mb.rollout_logprobs_BT
+        )
         entry = {"old": old, "behaviour": behaviour, "mask": mb.loss_mask_BT, "weights": None}
-        if config.rollout_correction != "none":
+        if config.objective.rollout_correction != "none":
             correction = rollout_correction(
-                config.rollout_correction,
+                config.objective.rollout_correction,
                 old_logprobs=old,
                 rollout_logprobs=mb.rollout_logprobs_BT,
                 loss_mask=mb.loss_mask_BT,
@@ -449,7 +409,7 @@ class Trainer:
         def on_logits(i: int, logits: torch.Tensor) -> torch.Tensor | None:
             nonlocal finite
             entry, mb = behaviour[i], minibatch[i]
-            logprobs = token_logprobs(logits, mb.tokens_BS, self.config.temperature)
+            logprobs = token_logprobs(logits, mb.tokens_BS, self.config.rollout.temperature)
             if not self.nonfinite.finite(logprobs, entry["mask"]):
                 finite = False  # keep running forwards: peers wait in collectives
                 return None
@@ -487,13 +447,13 @@ class Trainer:
         """A frozen copy of the initial policy for the KL term (no routing replay)."""
         reference = build_model(self.hf_config, dataclasses.replace(options, routing_replay=False))
         reference.load_state_dict(self.model.module.state_dict(), strict=False)
-        return ReferencePolicy(reference, self.device, offload=self.config.reference_offload)
+        return ReferencePolicy(
+            reference, self.device, offload=self.config.objective.reference_offload
+        )
 
     def sync_weights(self, version: int) -> None:
         """Push the policy to the engine as weight ``version`` (every rank streams its shard)."""
-        pushes = self.engine is not None and (
-            self.config.rollout_engine == "local" or dist.get_rank() == 0
-        )
+        pushes = self.pushes_weights
         # pipeline stages: the pushing rank (stage 0) receives the other stages' tensors
         stream = iter_hf_tensors_every_stage(self.model.module, self.hf_config, wanted=pushes)
         if pushes:
@@ -502,32 +462,24 @@ class Trainer:
             for _ in stream:  # the gathers are collectives: take part, drop the tensors
                 pass
         self.weight_version = version
-        # SGLang server membership (dead servers are dropped, the run goes on): rank 0's
+        # remote server membership (dead servers are dropped, the run goes on): rank 0's
         # numbers on every rank, so every rank reports the same metric keys
         self.sync_metrics: dict[str, float] = {}
-        if self.config.rollout_engine == "sglang":
-            membership = getattr(self.engine, "membership_metrics", dict)() if pushes else None
+        if self.sync_wait is not None:
+            membership = self.engine.membership_metrics() if pushes else None
             self.sync_metrics = dict(self.sync_wait.share(membership) or {})
 
     def state_dict(self) -> dict:
         return {
             "step": self.step_index,
             "weight_version": self.weight_version,
-            "sampler": self._trained_sampler_state(),
+            "sampler": self.rollouts.trained_sampler_state(),
             "bad_steps": self.nonfinite.consecutive,
             "config": _jsonable(dataclasses.asdict(self.config)),
         }
 
-    def _trained_sampler_state(self) -> dict:
-        """The sampler after the last batch trained on: with --async-rollout a batch generated
-        in the background is not part of the state (it is generated again after a resume)."""
-        if self._async is not None and self._async.pending:
-            return dict(self._async.sampler_before)
-        return self.sampler.state_dict()
-
     def load_state_dict(self, state: dict) -> None:
-        if self._async is not None:
-            self._async.clear()
+        self.rollouts.clear()  # a batch drawn ahead (--async-rollout) is drawn again
         self.step_index = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.nonfinite.consecutive = int(state.get("bad_steps", 0))
@@ -535,12 +487,10 @@ class Trainer:
         self.sync_weights(version=int(state["weight_version"]))
 
     def close(self) -> None:
-        if self._async is not None:
-            self._async.clear()  # a generation still running (an error mid-step) ends first
+        self.rollouts.clear()  # a generation still running (an error mid-step) ends first
         self.replay.close()
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        if self.engine is not None:
+            self.engine.close()
         destroy_distributed()
 
 

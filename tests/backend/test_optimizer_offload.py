@@ -43,12 +43,12 @@ def _model(dtype: str = "bfloat16"):
 
 
 def test_the_flags_reach_the_optimizer_config():
-    config = parse_args([*OFFLOAD, "--optimizer-offload-fraction", "0.25"]).optimizer_config()
+    config = parse_args([*OFFLOAD, "--optimizer-offload-fraction", "0.25"]).optimizer
     assert config.cpu_offload and config.offload_fraction == 0.25
     assert config.use_distributed_optimizer
-    default = parse_args(OFFLOAD).optimizer_config()
+    default = parse_args(OFFLOAD).optimizer
     assert default.cpu_offload and default.offload_fraction == 1.0
-    assert not parse_args([]).optimizer_config().cpu_offload
+    assert not parse_args([]).optimizer.cpu_offload
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def test_megatron_builds_its_hybrid_device_optimizer_from_the_flag(ws1, te_versi
     from megatron_rl.backend.optimizer import PolicyOptimizer
 
     model = _model()
-    ours = parse_args([*OFFLOAD, "--optimizer-offload-fraction", "0.5"]).optimizer_config()
+    ours = parse_args([*OFFLOAD, "--optimizer-offload-fraction", "0.5"]).optimizer
     megatron = megatron_optimizer_config(ours, model.config)
     assert megatron.optimizer_cpu_offload and megatron.optimizer_offload_fraction == 0.5
     assert megatron.use_precision_aware_optimizer and megatron.use_distributed_optimizer

@@ -85,10 +85,10 @@ def test_training_node_command_passes_the_trainer_checks(loss, replay, staleness
     argv = _train_argv(out)
     assert argv[0] == "torchrun" and "--nproc-per-node" in argv
     config = _trainer_config(argv)
-    assert config.loss == loss and config.routing_replay == replay
+    assert config.objective.loss == loss and config.replay.mode == replay
     assert config.updates_per_rollout == staleness
     assert config.data_parallel_size(16) == 8  # 2 nodes x 8 GPUs, TP 2
-    assert len(config.sglang_url) == 2 and config.sglang_engine_ranks == 8
+    assert len(config.engine.sglang_url) == 2 and config.engine.sglang_engine_ranks == 8
 
 
 def test_serving_node_starts_one_sglang_server_with_routes_for_r3():
@@ -110,9 +110,9 @@ def test_serving_node_starts_one_sglang_server_with_routes_for_r3():
 )
 def test_the_kl_coefficient_is_a_per_recipe_choice(loss, env, kl):
     config = _trainer_config(_train_argv(_dry_run(0, LOSS=loss, **env)))
-    assert config.kl_coef == kl
-    assert config.reference_offload and config.use_distributed_optimizer
-    assert config.overlap_grad_reduce
+    assert config.objective.kl_coef == kl
+    assert config.objective.reference_offload and config.optimizer.use_distributed_optimizer
+    assert config.optimizer.overlap_grad_reduce
 
 
 def test_training_nodes_get_cuda_device_max_connections_and_serving_nodes_the_heartbeat():
@@ -124,12 +124,12 @@ def test_training_nodes_get_cuda_device_max_connections_and_serving_nodes_the_he
 
 
 def test_optimizer_cpu_offload_reaches_the_trainer():
-    assert not _trainer_config(_train_argv(_dry_run(0))).optimizer_cpu_offload
+    assert not _trainer_config(_train_argv(_dry_run(0))).optimizer.cpu_offload
     config = _trainer_config(
         _train_argv(_dry_run(0, OPTIMIZER_CPU_OFFLOAD="1", OPTIMIZER_OFFLOAD_FRACTION="0.5"))
     )
-    assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 0.5
-    assert config.optimizer_config().cpu_offload
+    assert config.optimizer.cpu_offload and config.optimizer.offload_fraction == 0.5
+    assert config.optimizer.cpu_offload
 
 
 def test_rerunning_the_same_command_resumes_and_the_first_run_starts_fresh(tmp_path):
@@ -138,7 +138,7 @@ def test_rerunning_the_same_command_resumes_and_the_first_run_starts_fresh(tmp_p
 
     run_dir = tmp_path / "run"
     config = _trainer_config(_train_argv(_dry_run(0, RUN_DIR=str(run_dir))))
-    assert config.load == config.save == f"{run_dir}/checkpoints"
+    assert config.checkpoint.load == config.checkpoint.save == f"{run_dir}/checkpoints"
     assert resolve_load(config) is None  # missing
     (run_dir / "checkpoints").mkdir(parents=True)
     assert resolve_load(config) is None  # empty
@@ -199,8 +199,8 @@ def test_slurm_entry_gives_every_node_commands_that_pass_the_checks(tmp_path):
         assert argv[argv.index("--node-rank") + 1] == str(rank)
         assert argv[argv.index("--master-addr") + 1] == "gpu01"
         config = _trainer_config(argv)
-        assert config.sglang_url == ("http://gpu03:30000", "http://gpu04:30000")
-        assert config.loss == "epic" and config.routing_replay == "r3"
+        assert config.engine.sglang_url == ("http://gpu03:30000", "http://gpu04:30000")
+        assert config.objective.loss == "epic" and config.replay.mode == "r3"
         assert config.data_parallel_size(16) == 8
         assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in out
         assert f".nodes/node{rank}: launch=4242 " in out
@@ -337,17 +337,15 @@ def _megatron_config(config, monkeypatch):
     from megatron_rl.model.presets import preset_config
 
     sizes = {
-        "tensor_model_parallel": config.tensor_model_parallel_size,
-        "pipeline_model_parallel": config.pipeline_model_parallel_size,
-        "context_parallel": config.context_parallel_size,
-        "expert_model_parallel": config.expert_model_parallel_size,
+        "tensor_model_parallel": config.parallel.tensor_parallel,
+        "pipeline_model_parallel": config.parallel.pipeline_parallel,
+        "context_parallel": config.parallel.context_parallel,
+        "expert_model_parallel": config.parallel.expert_parallel,
         "expert_tensor_parallel": 1,
     }
     for name, size in sizes.items():
         monkeypatch.setattr(parallel_state, f"get_{name}_world_size", lambda size=size: size)
-    return to_transformer_config(
-        preset_config("qwen3-235b-a22b"), config.model_options(), use_te=False
-    )
+    return to_transformer_config(preset_config("qwen3-235b-a22b"), config.model, use_te=False)
 
 
 @pytest.mark.parametrize(("loss", "replay", "staleness"), ARMS_235B)
@@ -363,19 +361,19 @@ def test_235b_every_training_node_passes_the_trainer_and_megatron_checks(
         assert argv[argv.index("--nnodes") + 1] == "4"
         assert argv[argv.index("--node-rank") + 1] == str(rank)
         config = _trainer_config(argv)
-        assert config.loss == loss and config.routing_replay == replay
+        assert config.objective.loss == loss and config.replay.mode == replay
         assert config.updates_per_rollout == staleness
-        assert (config.tensor_model_parallel_size, config.pipeline_model_parallel_size) == (4, 4)
-        assert config.expert_model_parallel_size == 8 and config.sequence_parallel
-        assert config.context_parallel_size == 1
+        assert (config.parallel.tensor_parallel, config.parallel.pipeline_parallel) == (4, 4)
+        assert config.parallel.expert_parallel == 8 and config.parallel.sequence_parallel
+        assert config.parallel.context_parallel == 1
         assert config.data_parallel_size(32) == 2  # 4 nodes x 8 GPUs / (TP 4 x PP 4)
-        assert len(config.sglang_url) == 4 and config.sglang_engine_ranks == 8
-        assert config.use_distributed_optimizer and config.optimizer_cpu_offload
-        assert config.optimizer_offload_fraction == 1.0
-        assert config.optimizer_config().cpu_offload
-        assert config.ckpt_format == "torch_dist" and not config.async_save
-        assert config.load == config.save
-        assert config.kl_coef == (1e-3 if loss in ("epic", "grpo", "gspo") else 0.0)
+        assert len(config.engine.sglang_url) == 4 and config.engine.sglang_engine_ranks == 8
+        assert config.optimizer.use_distributed_optimizer and config.optimizer.cpu_offload
+        assert config.optimizer.offload_fraction == 1.0
+        assert config.optimizer.cpu_offload
+        assert config.checkpoint.ckpt_format == "torch_dist" and not config.checkpoint.async_save
+        assert config.checkpoint.load == config.checkpoint.save
+        assert config.objective.kl_coef == (1e-3 if loss in ("epic", "grpo", "gspo") else 0.0)
     megatron = _megatron_config(config, monkeypatch)
     assert megatron.num_layers_in_first_pipeline_stage == 23
     assert megatron.num_layers_in_last_pipeline_stage == 23
@@ -400,9 +398,9 @@ def test_235b_serving_nodes_start_one_sglang_server_each():
 def test_235b_options_reach_the_trainer():
     env = _env_235b(OPTIMIZER_OFFLOAD_FRACTION="0.9", ASYNC_SAVE="1", KL_COEF="0.01")
     config = _trainer_config(_train_argv(_dry_run(1, SCRIPT_235B, **env)))
-    assert config.optimizer_offload_fraction == 0.9 and config.optimizer_cpu_offload
-    assert config.async_save and config.ckpt_format == "torch_dist"
-    assert config.kl_coef == 0.01
+    assert config.optimizer.offload_fraction == 0.9 and config.optimizer.cpu_offload
+    assert config.checkpoint.async_save and config.checkpoint.ckpt_format == "torch_dist"
+    assert config.objective.kl_coef == 0.01
 
 
 def test_235b_node_rank_out_of_range_is_refused():
@@ -434,7 +432,7 @@ def test_235b_slurm_entry_derives_every_node_role_from_slurm(tmp_path):
         assert argv[argv.index("--node-rank") + 1] == str(rank)
         assert argv[argv.index("--master-addr") + 1] == "gpu01"
         config = _trainer_config(argv)
-        assert config.sglang_url == urls and config.routing_replay == "r3"
+        assert config.engine.sglang_url == urls and config.replay.mode == "r3"
         assert config.data_parallel_size(32) == 2
         assert f".nodes/node{rank}: launch=4242 " in out
         assert ("# would wait up to 300 s for RUN_DIR/.nodes/node0 .. node7" in out) == (rank == 0)
@@ -454,22 +452,17 @@ def test_235b_slurm_entry_refuses_a_wrong_allocation(tmp_path):
 def _plan_of(config, world_size: int, **overrides):
     """The memory plan of the layout and batch a trainer config asks for (KL arms: the reference
     counted on the GPU, as during its pass)."""
-    from megatron_rl.model.memory import (
-        Layout,
-        PlanOptions,
-        load_model_config,
-        megatron_stage_layers,
-        plan_memory,
-    )
+    from megatron_rl.memory_plan import Layout, PlanOptions, load_model_config, plan_memory
+    from megatron_rl.model.stages import megatron_stage_layers
     from megatron_rl.parallel import ParallelConfig
 
     sizes = {
-        "tp": config.tensor_model_parallel_size,
-        "pp": config.pipeline_model_parallel_size,
-        "ep": config.expert_model_parallel_size,
-        "first": config.decoder_first_pipeline_num_layers,
-        "last": config.decoder_last_pipeline_num_layers,
-        "offload": config.optimizer_offload_fraction if config.optimizer_cpu_offload else 0.0,
+        "tp": config.parallel.tensor_parallel,
+        "pp": config.parallel.pipeline_parallel,
+        "ep": config.parallel.expert_parallel,
+        "first": config.model.first_stage_layers,
+        "last": config.model.last_stage_layers,
+        "offload": config.optimizer.offload_fraction if config.optimizer.cpu_offload else 0.0,
         **overrides,
     }
     hf = load_model_config("qwen3-235b-a22b")
@@ -477,19 +470,20 @@ def _plan_of(config, world_size: int, **overrides):
         tensor_parallel=sizes["tp"],
         pipeline_parallel=sizes["pp"],
         expert_parallel=sizes["ep"],
-        sequence_parallel=config.sequence_parallel,
+        sequence_parallel=config.parallel.sequence_parallel,
     )
     stages = megatron_stage_layers(hf.num_hidden_layers, sizes["pp"], sizes["first"], sizes["last"])
-    tokens = config.micro_batch_size * (config.max_prompt_length + config.max_response_length)
+    length = config.task.max_prompt_length + config.rollout.max_response_length
+    tokens = config.schedule.micro_batch_size * length
     options = PlanOptions(
-        params_dtype="bfloat16" if config.bf16 else "float32",
-        distributed_optimizer=config.use_distributed_optimizer,
-        recompute=config.recompute_granularity or "none",
+        params_dtype=config.model.dtype,
+        distributed_optimizer=config.optimizer.use_distributed_optimizer,
+        recompute="full" if config.model.recompute else "none",
         micro_batch_tokens=tokens,
-        routing_replay=config.routing_replay,
-        routing_responses=config.samples_per_rollout if config.routing_replay != "off" else None,
-        routing_response_tokens=tokens if config.routing_replay != "off" else None,
-        reference="gpu" if config.kl_coef > 0 else "off",
+        routing_replay=config.replay.mode,
+        routing_responses=config.samples_per_rollout if config.replay.mode != "off" else None,
+        routing_response_tokens=tokens if config.replay.mode != "off" else None,
+        reference="gpu" if config.objective.kl_coef > 0 else "off",
         optimizer_offload_fraction=sizes["offload"],
     )
     layout = Layout.from_world_size(parallel, world_size, stages)
@@ -500,7 +494,7 @@ def test_235b_memory_plan_of_the_launched_layout_fits_and_no_pipeline_does_not()
     config = _trainer_config(
         _train_argv(_dry_run(0, SCRIPT_235B, **_env_235b(LOSS="epic", REPLAY="r2")))
     )
-    assert config.kl_coef > 0 and config.routing_replay == "r2"  # the fullest arm
+    assert config.objective.kl_coef > 0 and config.replay.mode == "r2"  # the fullest arm
     plan = _plan_of(config, 32)
     assert plan.layout.stage_layers(94) == (23, 24, 24, 23)
     assert plan.fits, plan.total_bytes / 2**30

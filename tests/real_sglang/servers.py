@@ -85,12 +85,11 @@ def free_port() -> int:
 
 def task_hf_config(**overrides):
     """The trainer's ``--model tiny`` policy for the built-in task (its 16-token vocabulary),
-    as `megatron_rl.train.setup.load_policy_config` builds it; ``overrides`` change the preset."""
+    as `megatron_rl.train.setup.build_task` builds it; ``overrides`` change the preset."""
     from megatron_rl.model import preset_config
-    from megatron_rl.train.setup import TaskConfig, build_task, load_policy_config
+    from megatron_rl.train.setup import TaskConfig, build_task
 
-    task = TaskConfig(model="tiny")
-    config, _ = load_policy_config(task, build_task(task)[0])
+    config = build_task(TaskConfig(model="tiny")).hf_config
     if overrides:
         config = preset_config("tiny", **{"vocab_size": config.vocab_size, **overrides})
         config._attn_implementation = "eager"

@@ -294,8 +294,8 @@ def test_sglang_request_timeout_flag_reaches_the_pool():
     from megatron_rl.train.engines import build_engine
 
     argv = ["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:1"]
-    assert parse_args(argv).engine_config().sglang_request_timeout is None
-    config = parse_args([*argv, "--sglang-request-timeout", "7200"]).engine_config()
+    assert parse_args(argv).engine.sglang_request_timeout is None
+    config = parse_args([*argv, "--sglang-request-timeout", "7200"]).engine
     with build_engine(config, tiny_config(), pad_token_id=0, seed=0) as engine:
         assert engine.pool.config.request_timeout_s == 7200.0
 

@@ -51,7 +51,7 @@ def test_uneven_splits_count_the_fullest_rank():
 
 
 def test_invalid_layout_names_the_field():
-    with pytest.raises(ValueError, match="context_parallel=0"):
+    with pytest.raises(ValueError, match=r"=0: .*\(ParallelConfig.context_parallel\)"):
         ParallelConfig(context_parallel=0)
     with pytest.raises(ValueError, match="data_parallel must be a positive int"):
         local_counts(ParallelConfig(), 0, 10, 7, 48)

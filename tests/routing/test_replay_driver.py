@@ -120,7 +120,7 @@ def test_driver_needs_a_model_built_with_routing_replay(ws1):
             topk=2,
             moe_layer_numbers=moe_layer_numbers(config),
         )
-    with pytest.raises(ValueError, match="record_only needs mode"):
+    with pytest.raises(ValueError, match="--routing-record-only needs --routing-replay r2 or r3"):
         ReplayConfig(record_only=True)
 
 

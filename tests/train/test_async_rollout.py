@@ -3,7 +3,6 @@ every prompt trained exactly once, and resume from the last trained batch."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -61,12 +60,12 @@ class _Killed(RuntimeError):
 
 def test_config_validation():
     with pytest.raises(ValueError, match="--max-staleness=0"):
-        TrainConfig(async_rollout=True, max_staleness=0)
+        TrainConfig.from_flags(async_rollout=True, max_staleness=0)
     with pytest.raises(ValueError, match="without --async-rollout"):
-        TrainConfig(max_staleness=2)
+        TrainConfig.from_flags(max_staleness=2)
     config = parse_args(["--async-rollout", "--max-staleness", "2"])
-    assert config.async_rollout and config.max_staleness == 2
-    assert not parse_args([]).async_rollout and parse_args([]).max_staleness == 1
+    assert config.rollout.async_rollout and config.rollout.max_staleness == 2
+    assert not parse_args([]).rollout.async_rollout and parse_args([]).rollout.max_staleness == 1
 
 
 def test_staleness_metrics_and_overlap_helpers():
@@ -78,6 +77,45 @@ def test_staleness_metrics_and_overlap_helpers():
         "async/staleness_hist/2": 0.0,
     }
     assert overlap((0.0, 2.0), (1.0, 5.0)) == 1.0 and overlap((0.0, 1.0), (2.0, 3.0)) == 0.0
+
+
+ASYNC_ONLY = {  # what the async rollout source adds to a step's metrics
+    "async/staleness_mean",
+    "async/staleness_hist/0",
+    "async/staleness_hist/1",
+    "async/dropped_batches",
+    "async/overlap_fraction",
+    "time/generation",
+    "time/engine_idle",
+    "time/trainer_idle",
+}
+
+
+def test_sync_and_async_steps_share_one_body(tmp_path, monkeypatch):
+    """The async step reports the sync step's metrics plus the async source's, every step; its
+    first step (generated in the foreground, same seed and weights) trains on the same samples
+    the sync step does, so every value but the timings agrees; both trained the prompts they
+    drew."""
+    recorder = _Recorder(monkeypatch)
+    rows, prompts = {}, {}
+    for mode in (False, True):
+        config = _tiny(tmp_path / f"async_{mode}", async_rollout=mode, train_iters=3)
+        trainer = Trainer(config, **rendezvous(tmp_path, f"rdzv_{mode}"))
+        try:
+            expected = _expected_batches(trainer.sampler, 2, 3)
+            rows[mode] = [trainer.step() for _ in range(3)]
+        finally:
+            trainer.close()
+        prompts[mode] = [step["prompts"] for step in recorder.steps]
+        recorder.steps.clear()
+        assert prompts[mode] == expected
+    for sync_row, async_row in zip(rows[False], rows[True], strict=True):
+        assert set(sync_row) <= set(async_row)
+        assert set(async_row) - set(sync_row) == ASYNC_ONLY
+    first_sync, first_async = rows[False][0], rows[True][0]
+    for key, value in first_sync.items():
+        if not key.startswith("time/"):
+            assert first_async[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
 def test_fifty_async_steps_train_every_prompt_once_within_the_staleness_bound(
@@ -164,7 +202,7 @@ def test_resume_mid_run_continues_from_the_last_trained_batch(tmp_path, monkeypa
         run(first, **rendezvous(tmp_path, "rdzv_b1"))
     monkeypatch.setattr(Trainer, "step", real_step)
     assert int((tmp_path / "b" / "ckpt" / "latest").read_text()) == 2
-    run(dataclasses.replace(first, load=first.save), **rendezvous(tmp_path, "rdzv_b2"))
+    run(first.with_flags(load=first.checkpoint.save), **rendezvous(tmp_path, "rdzv_b2"))
     resumed = [s["prompts"] for s in recorder.steps]
     # steps 1-3 of the killed run, then steps 3-5 again from the step-2 checkpoint
     assert resumed[:3] == uninterrupted[:3]
@@ -201,12 +239,12 @@ def test_async_rollouts_through_the_sglang_http_client(tmp_path):
     from megatron_rl.train.setup import load_policy_config
 
     config = small_config(tmp_path, async_rollout=True, train_iters=3)
-    tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.seed))
-    hf_config, _ = load_policy_config(config.task_config(), tokenizer)
+    tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.parallel.seed))
+    hf_config, _ = load_policy_config(config.task, tokenizer)
     server = LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=99)).start()
     try:
-        sglang = dataclasses.replace(
-            config, rollout_engine="sglang", sglang_url=(server.url,), weight_sync_transport="disk"
+        sglang = config.with_flags(
+            rollout_engine="sglang", sglang_url=(server.url,), weight_sync_transport="disk"
         )
         last = run(sglang, **rendezvous(tmp_path))
         assert server.engine.weight_version == 3  # one sync per step
@@ -234,16 +272,16 @@ def test_async_rollouts_with_two_tensor_parallel_ranks(tmp_path):
 def test_the_main_job_learns_with_async_rollouts(tmp_path):
     """(d) The embedded default with --async-rollout and the engine's log-probs as behaviour
     (the policy that generated the one-version-old samples) reaches the sync run's bar."""
-    config = TrainConfig(
+    config = TrainConfig.from_flags(
         run_dir=str(tmp_path / "run"),
         device="cpu",
-        progress=False,
+        no_progress=True,
         async_rollout=True,
         behavior_logprobs="rollout",
     )
     run(config, **rendezvous(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert len(rows) == config.train_iters
+    assert len(rows) == config.schedule.train_iters
     assert rows[0]["accuracy"] < 0.3
     final = [r["accuracy"] for r in rows[-5:]]
     assert sum(final) / len(final) >= 0.9, final

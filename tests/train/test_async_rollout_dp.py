@@ -58,7 +58,6 @@ def _install_recorder(steps: list[dict]):
 
 
 def _worker(rank, world_size, init_method, tmp_dir) -> None:
-    import dataclasses
     from pathlib import Path
 
     from trainer_testing import small_config
@@ -122,7 +121,7 @@ def _worker(rank, world_size, init_method, tmp_dir) -> None:
         destroy_distributed()
     result["latest"] = int((ckpt / "latest").read_text())
     killed_steps = len(steps)
-    run(dataclasses.replace(first, load=first.save), **dist_kwargs("rdzv_p2b"))
+    run(first.with_flags(load=first.checkpoint.save), **dist_kwargs("rdzv_p2b"))
     destroy_distributed()
     result["resumed"] = {"steps": steps, "killed_steps": killed_steps}
     with open(tmp / f"result_rank{rank}.json", "w") as f:

@@ -143,7 +143,6 @@ def _config(tmp_path, name, **overrides):
 
 
 def test_async_run_resumes_like_the_uninterrupted_synchronous_run(tmp_path):
-    import dataclasses
 
     from trainer_testing import rendezvous
 
@@ -156,7 +155,7 @@ def test_async_run_resumes_like_the_uninterrupted_synchronous_run(tmp_path):
     sync_ckpt, async_ckpt = (tmp_path / name / "ckpt" for name in ("sync", "async"))
     assert latest_step(str(async_ckpt)) == 2
     _assert_same_step(sync_ckpt / STEP2, async_ckpt / STEP2)
-    resumed = dataclasses.replace(first, train_iters=3, load=first.save)
+    resumed = first.with_flags(train_iters=3, load=first.checkpoint.save)
     run(resumed, **rendezvous(tmp_path, "rdzv_async2"))
     assert latest_step(str(async_ckpt)) == 3
     _assert_same_step(sync_ckpt / "step_00000003", async_ckpt / "step_00000003")
@@ -170,7 +169,7 @@ def test_the_run_ends_only_after_its_last_save_is_committed(tmp_path, monkeypatc
     _hold_writer(monkeypatch, delay=1.5)  # the write outlasts everything after the last step
     config = _config(tmp_path, "run", train_iters=1, async_save=True)
     run(config, **rendezvous(tmp_path))
-    save_dir = config.save
+    save_dir = config.checkpoint.save
     assert latest_step(save_dir) == 1
     assert sorted(os.listdir(save_dir)) == ["latest", "step_00000001"]
     assert pending_save() is None

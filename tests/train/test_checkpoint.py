@@ -274,5 +274,5 @@ def test_load_accepts_a_step_folder_as_that_step_of_its_root(tmp_path):
     _save_linear(save_dir, 1, seed=1)
     _save_linear(save_dir, 2, seed=2)
     step_folder = str(save_dir / "step_00000001")
-    assert resolve_load(TrainConfig(load=step_folder)) == (str(save_dir), 1)
-    assert resolve_load(TrainConfig(load=str(save_dir))) == (str(save_dir), None)
+    assert resolve_load(TrainConfig.from_flags(load=step_folder)) == (str(save_dir), 1)
+    assert resolve_load(TrainConfig.from_flags(load=str(save_dir))) == (str(save_dir), None)

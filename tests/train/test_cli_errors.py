@@ -11,7 +11,9 @@ import pytest
 
 import megatron_rl.train.run as run_module
 from megatron_rl.train.__main__ import main
-from megatron_rl.train.setup import build_task
+from megatron_rl.train.config import parse_args
+
+REAL_RUN = run_module.run  # the fixture `runs` stands in for it
 
 
 def _save_tiny_tokenizer(folder: Path) -> Path:
@@ -30,9 +32,14 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def runs(monkeypatch) -> list:
-    """Stands in for `run`: records its configs instead of building a model."""
+    """Stands in for `run`: records its ``(config, task, load)`` instead of building a model."""
     calls: list = []
-    monkeypatch.setattr(run_module, "run", lambda config, **_: calls.append(config) or {})
+
+    def run(config, *, task, load):
+        calls.append((config, task, load))
+        return {}
+
+    monkeypatch.setattr(run_module, "run", run)
     monkeypatch.delenv("MEGATRON_RL_DEBUG", raising=False)
     return calls
 
@@ -103,12 +110,11 @@ def test_prompt_too_long_truncate_left_and_drop(tmp_path, tokenizer_dir, runs):
     path = write_jsonl(tmp_path / "d.jsonl", [SHORT, LONG])
     flags = ("--max-response-length", "500", "--prompt-too-long", "truncate-left")
     assert main(cli(tokenizer_dir, path, *flags)) == 0
-    _, records, _, _ = build_task(runs[-1].task_config())  # the task main checked, reused
-    assert [len(r.prompt_ids) for r in records] == [8, 12]
+    _, task, load = runs[-1]  # the task main checked is the one the run gets
+    assert [len(r.prompt_ids) for r in task.records] == [8, 12] and load is None
     flags = ("--max-response-length", "500", "--prompt-too-long", "drop")
     assert main(cli(tokenizer_dir, path, *flags)) == 0
-    _, records, _, _ = build_task(runs[-1].task_config())
-    assert [r.answer for r in records] == ["3"]
+    assert [r.answer for r in runs[-1][1].records] == ["3"]
 
 
 def test_response_length_beyond_the_context_is_one_line(runs, capsys):
@@ -129,3 +135,24 @@ def test_bad_reward_is_one_line_before_the_model(runs, capsys, reward, match):
     assert main(["--device", "cpu", "--reward", reward]) == 2
     assert match in one_error_line(capsys)
     assert runs == []
+
+
+def test_load_is_resolved_once_and_handed_to_the_run(tmp_path, runs, monkeypatch):
+    """main resolves --load (here: the --save folder, still empty, so a fresh start) and passes
+    the answer on; run resolves --load itself only when it is given no answer."""
+    save = str(tmp_path / "ckpt")
+    assert main(["--device", "cpu", "--save", save, "--load", save]) == 0
+    assert runs[-1][2] is None  # resolved: start fresh
+
+    class TrainerBuilt(Exception):
+        """run got past --load."""
+
+    def trainer(*args, **kwargs):
+        raise TrainerBuilt
+
+    monkeypatch.setattr(run_module, "Trainer", trainer)
+    config = parse_args(["--device", "cpu", "--load", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="does not exist"):
+        REAL_RUN(config)  # resolved here
+    with pytest.raises(TrainerBuilt):
+        REAL_RUN(config, load=None)  # resolved by the caller: not again

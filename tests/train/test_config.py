@@ -2,12 +2,34 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 
 from megatron_rl.train.__main__ import main
-from megatron_rl.train.config import TrainConfig, parse_args
+from megatron_rl.train.config import TrainConfig, build_parser, parse_args
+
+FLAGS_BEFORE_THE_NESTED_CONFIG = """
+--adam-beta1 --adam-beta2 --adam-eps --advantage-estimator --async-rollout --async-save
+--balance-data --behavior-logprobs --bf16 --c1-neg --c1-pos --c2-neg --c2-pos --ckpt-format
+--clip-grad --clip-high --clip-low --clip-ratio-c --context-parallel-size
+--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --delta-high
+--delta-low --device --expert-model-parallel-size --filter-zero-variance-groups
+--global-batch-size --help --kl-coef --kl-estimator --load --load-fallback --loss
+--loss-agg-mode --lr --max-bad-steps --max-prompt-length --max-response-length --max-staleness
+--max-tokens-per-gpu --micro-batch-size --model --n-samples-per-prompt --no-progress
+--no-reference-offload --optimizer-cpu-offload --optimizer-offload-fraction
+--overlap-grad-reduce --pipeline-model-parallel-size --prompt-data --prompt-too-long
+--recompute-granularity --reward --rollout-batch-size --rollout-correction --rollout-dtype
+--rollout-engine --routing-dtype --routing-record-only --routing-replay --run-dir --save
+--save-interval --seed --sequence-parallel --sglang-engine-ranks --sglang-min-servers
+--sglang-request-timeout --sglang-return-routed-experts --sglang-router-url
+--sglang-startup-timeout --sglang-url --tau-neg --tau-pos --temperature
+--tensor-model-parallel-size --tokenizer --top-k --top-p --torch-threads --train-iters
+--transformer-impl --use-distributed-optimizer --variant --wandb-exp-name --wandb-mode
+--wandb-project --weight-decay --weight-sync-min-gbps --weight-sync-transport -h
+"""
 
 
 def test_megatron_flag_names_and_rl_flags_parse_into_one_config():
@@ -38,8 +60,8 @@ def test_megatron_flag_names_and_rl_flags_parse_into_one_config():
             "0.001",
         ]
     )
-    assert config.tensor_model_parallel_size == 2 and config.sequence_parallel
-    assert config.loss_params == (("delta_high", 3e-3),)
+    assert config.parallel.tensor_parallel == 2 and config.parallel.sequence_parallel
+    assert config.objective.loss_params == (("delta_high", 3e-3),)
     assert config.updates_per_rollout == 4  # 64 samples / global batch 16
 
 
@@ -69,7 +91,9 @@ def test_bad_combinations_name_the_flags(argv, match):
 
 
 def test_world_size_and_batch_divisibility_are_checked_before_building():
-    config = TrainConfig(tensor_model_parallel_size=2, global_batch_size=64, micro_batch_size=32)
+    config = TrainConfig.from_flags(
+        tensor_model_parallel_size=2, global_batch_size=64, micro_batch_size=32
+    )
     with pytest.raises(ValueError, match="world size 3 is not divisible"):
         config.data_parallel_size(3)
     with pytest.raises(ValueError, match="micro-batch-size x data-parallel size = 32 x 4"):
@@ -83,30 +107,53 @@ def test_cli_reports_bad_flags_with_exit_code_2(capsys):
 
 def test_string_loss_hyperparameters_parse_and_bad_values_are_named():
     config = parse_args(["--loss", "epic", "--variant", "plain", "--delta-high", "1e-3"])
-    assert dict(config.loss_params) == {"variant": "plain", "delta_high": 1e-3}
-    assert config.objective_config().loss_params == config.loss_params
+    assert dict(config.objective.loss_params) == {"variant": "plain", "delta_high": 1e-3}
+    assert config.objective.loss_config.variant == "plain"
     with pytest.raises(ValueError, match="variant='wide'"):
         parse_args(["--loss", "epic", "--variant", "wide"])
     with pytest.raises(ValueError, match="--variant is not a hyperparameter of --loss grpo"):
         parse_args(["--loss", "grpo", "--variant", "plain"])
 
 
-def test_component_configs_carry_the_flags():
+def test_sections_carry_the_flags_and_derived_values_have_one_owner():
     argv = "--tensor-model-parallel-size 2 --sequence-parallel --routing-replay r2 --lr 1e-4"
     argv += " --rollout-batch-size 8 --kl-coef 0.01 --bf16 --run-dir out --temperature 0.7"
+    argv += " --routing-dtype uint8 --seed 7 --max-response-length 6 --train-iters 9"
     config = parse_args(argv.split())
-    assert config.parallel_config().tensor_parallel == 2
-    assert config.parallel_config().sequence_parallel is True
-    assert config.replay_config().mode == "r2"
-    assert config.optimizer_config().lr == 1e-4
-    assert config.optimizer_config().use_distributed_optimizer is False
-    assert parse_args(["--use-distributed-optimizer"]).optimizer_config().use_distributed_optimizer
-    assert config.objective_config().kl_coef == 0.01
-    assert config.rollout_config().temperature == 0.7
-    assert config.task_config().tensor_parallel == 2
-    assert config.engine_config().weight_sync_dir.endswith("weight_sync")
-    assert config.logger_config().run_dir == "out"
-    assert config.model_options().dtype == "bfloat16"
+    assert config.parallel.tensor_parallel == 2 and config.parallel.sequence_parallel is True
+    assert config.replay.mode == "r2" and config.model.routing_replay is True
+    assert config.optimizer.lr == 1e-4
+    assert config.optimizer.use_distributed_optimizer is False  # the CLI's default
+    assert parse_args(["--use-distributed-optimizer"]).optimizer.use_distributed_optimizer
+    assert config.objective.kl_coef == 0.01
+    assert config.rollout.temperature == 0.7
+    assert config.model.dtype == "bfloat16"
+    # derived: each value has one flag and one owner; its copies follow it
+    assert config.task.tensor_parallel == 2 and config.task.seed == 7
+    assert config.engine.routing_dtype == "uint8"
+    assert config.engine.weight_sync_dir == os.path.join("out", "weight_sync")
+    assert config.task.max_response_length == config.objective.max_response_length == 6
+    assert config.logging.run_dir == "out" and config.logging.total_steps == 9
+    changed = config.with_flags(seed=3, run_dir="elsewhere")
+    assert changed.task.seed == 3 and changed.engine.weight_sync_dir.startswith("elsewhere")
+
+
+def test_every_flag_name_of_the_flat_parser_still_parses():
+    """The flags before the nested config (commit 73d31ba's parser), each still accepted."""
+    option_strings = {o for action in build_parser()._actions for o in action.option_strings}
+    assert set(FLAGS_BEFORE_THE_NESTED_CONFIG.split()) <= option_strings
+
+
+def test_from_flags_takes_the_flags_values_and_refuses_unknown_names():
+    config = TrainConfig.from_flags(bf16=True, no_progress=True, transformer_impl="local")
+    assert config.model.dtype == "bfloat16" and config.model.spec == "local"
+    assert config.logging.show_progress is False
+    assert TrainConfig.from_flags(delta_high=1e-3, loss="epic").objective.loss_params == (
+        ("delta_high", 1e-3),
+    )
+    with pytest.raises(TypeError, match="no flag --not-a-flag"):
+        TrainConfig.from_flags(not_a_flag=1)
+    assert TrainConfig.from_flags() == parse_args([])
 
 
 def test_help_answers_without_importing_megatron_or_transformers():
@@ -129,10 +176,13 @@ def test_help_answers_without_importing_megatron_or_transformers():
 
 
 def test_transformer_impl_chooses_the_layer_spec():
-    assert parse_args([]).model_options().spec == "auto"
-    assert parse_args(["--transformer-impl", "local"]).model_options().spec == "local"
-    te = parse_args(["--transformer-impl", "transformer_engine"])
-    assert te.model_options().spec == "te"
+    assert parse_args([]).model.spec == "auto"
+    assert parse_args(["--transformer-impl", "local"]).model.spec == "local"
+    assert parse_args(["--transformer-impl", "transformer_engine"]).model.spec == "te"
+    assert parse_args(["--recompute-granularity", "full"]).model.recompute is True
+    for argv in (["--transformer-impl", "te"], ["--recompute-granularity", "selective"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
 
 
 def test_a_load_path_without_a_checkpoint_is_an_error_unless_it_is_the_save_folder(tmp_path):
@@ -170,4 +220,4 @@ def test_sampling_and_optimiser_values_are_checked_at_parse_time(argv, match):
 def test_a_router_carries_generation_and_the_workers_control():
     argv = "--rollout-engine sglang --sglang-url http://w0:30000"
     config = parse_args([*argv.split(), "--sglang-router-url", "http://router:29000"])
-    assert config.engine_config().sglang_router_url == "http://router:29000"
+    assert config.engine.sglang_router_url == "http://router:29000"

@@ -35,7 +35,9 @@ def _train_worker(rank, world_size, init_method, tmp_dir, samples_path, optimize
         before = {
             k: v.clone() for k, v in trainer.model.module.state_dict().items() if torch.is_tensor(v)
         }
-        metrics = trainer.train_on(rank_share(samples, rank, world_size, config.global_batch_size))
+        metrics = trainer.train_on(
+            rank_share(samples, rank, world_size, config.schedule.global_batch_size)
+        )
         after = trainer.model.module.state_dict()
         torch.save(
             {

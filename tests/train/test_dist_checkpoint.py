@@ -178,7 +178,6 @@ def test_torch_dist_round_trip_with_the_non_distributed_optimizer(ws1, tmp_path)
 )
 def test_trainer_resumes_a_torch_dist_checkpoint_like_an_uninterrupted_run(tmp_path, optimizer):
     """``--ckpt-format torch_dist`` through `run`: the resumed run saves per-rank files again."""
-    import dataclasses
 
     from trainer_testing import rendezvous, small_config
 
@@ -196,7 +195,7 @@ def test_trainer_resumes_a_torch_dist_checkpoint_like_an_uninterrupted_run(tmp_p
         **optimizer,
     )
     run(first, **rendezvous(tmp_path, "rdzv_b1"))
-    resumed = dataclasses.replace(first, train_iters=4, load=first.save, ckpt_format="torch")
+    resumed = first.with_flags(train_iters=4, load=first.checkpoint.save, ckpt_format="torch")
     run(resumed, **rendezvous(tmp_path, "rdzv_b2"))
     a = torch.load(tmp_path / "a" / "ckpt" / "step_00000004" / "model_rank00000.pt")["model"]
     b = torch.load(tmp_path / "b" / "ckpt" / "step_00000004" / "model_rank00000.pt")["model"]

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_embedded_default_reaches_090_accuracy(tmp_path):
-    config = TrainConfig(run_dir=str(tmp_path / "run"), device="cpu", progress=False)
+    config = TrainConfig.from_flags(run_dir=str(tmp_path / "run"), device="cpu", no_progress=True)
     run(config, **rendezvous(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert len(rows) == config.train_iters
+    assert len(rows) == config.schedule.train_iters
     assert rows[0]["accuracy"] < 0.3  # starts near chance (1/16)
     final = [r["accuracy"] for r in rows[-5:]]
     assert sum(final) / len(final) >= 0.9, final

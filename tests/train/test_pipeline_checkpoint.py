@@ -96,7 +96,7 @@ def _run_worker(rank, world_size, init_method, tmp_dir, hf_dir, overrides) -> No
 
     def recording_save(saver) -> None:
         trainer = saver.trainer
-        if saver.config.save and saver.saved_step != trainer.step_index:
+        if saver.config.checkpoint.save and saver.saved_step != trainer.step_index:
             state = _full_state(trainer)
             state["rl_state"] = _rl_state(trainer.state_dict())
             captured["saved"][trainer.step_index] = state

@@ -54,7 +54,7 @@ def _train_worker(rank, world_size, init_method, tmp_dir, shared_dir, layout) ->
     trainer = Trainer(config, rank=rank, world_size=world_size, init_method=init_method)
     try:
         samples = torch.load(shared / "samples.pt", weights_only=False)
-        share = rank_share(samples, trainer.dp_rank, trainer.dp, config.global_batch_size)
+        share = rank_share(samples, trainer.dp_rank, trainer.dp, config.schedule.global_batch_size)
         metrics = trainer.train_on(share)
         weights = {
             name: tensor.clone()
@@ -122,9 +122,9 @@ def test_uneven_stage_sizes_are_checked_before_anything_is_built():
     from megatron_rl.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="--decoder-first-pipeline-num-layers=0"):
-        TrainConfig(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=0)
+        TrainConfig.from_flags(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=0)
     with pytest.raises(ValueError, match="needs --pipeline-model-parallel-size > 1"):
-        TrainConfig(decoder_last_pipeline_num_layers=1)
+        TrainConfig.from_flags(decoder_last_pipeline_num_layers=1)
 
 
 @pytest.mark.parametrize(

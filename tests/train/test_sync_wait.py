@@ -31,7 +31,7 @@ def test_the_235b_push_gets_more_than_torchs_ten_minutes():
 
 def test_the_bandwidth_floor_must_be_positive():
     with pytest.raises(ValueError, match="--weight-sync-min-gbps"):
-        TrainConfig(weight_sync_min_gbps=0.0)
+        TrainConfig.from_flags(weight_sync_min_gbps=0.0)
     with pytest.raises(ValueError, match="--weight-sync-min-gbps"):
         weight_sync_timeout_s(10, min_gbps=-1.0)
 

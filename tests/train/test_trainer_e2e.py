@@ -3,7 +3,6 @@ preemption, and a reward function that raises."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -36,11 +35,11 @@ def test_every_loss_trains_end_to_end(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     config = small_config(tmp_path, reward="parity_reward:reward", n_samples_per_prompt=8)
-    trainer = Trainer(dataclasses.replace(config, global_batch_size=16), **rendezvous(tmp_path))
+    trainer = Trainer(config.with_flags(global_batch_size=16), **rendezvous(tmp_path))
     try:
         for name in PAPER_LOSSES:
-            trainer.config = dataclasses.replace(trainer.config, loss=name)
-            trainer.objective = trainer.config.objective_config()
+            trainer.config = trainer.config.with_flags(loss=name)
+            trainer.objective = trainer.config.objective
             metrics = trainer.step()
             assert all(v == v for v in metrics.values()), name  # no NaN metric
             assert metrics["grad_norm"] > 0, name
@@ -93,7 +92,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path, optimizer):
         tmp_path / "b", train_iters=2, save=str(tmp_path / "b" / "ckpt"), **optimizer
     )
     run(first, **rendezvous(tmp_path, "rdzv_b1"))
-    resumed = dataclasses.replace(first, train_iters=4, load=first.save)
+    resumed = first.with_flags(train_iters=4, load=first.checkpoint.save)
     run(resumed, **rendezvous(tmp_path, "rdzv_b2"))
     a = torch.load(_latest_model_file(tmp_path / "a" / "ckpt"), weights_only=False)
     b = torch.load(_latest_model_file(tmp_path / "b" / "ckpt"), weights_only=False)
@@ -250,12 +249,11 @@ def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
     from megatron_rl.train.setup import load_policy_config
 
     config = small_config(tmp_path)
-    tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.seed))
-    hf_config, _ = load_policy_config(config.task_config(), tokenizer)
+    tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.parallel.seed))
+    hf_config, _ = load_policy_config(config.task, tokenizer)
     server = LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=99)).start()
     try:
-        sglang = dataclasses.replace(
-            config,
+        sglang = config.with_flags(
             rollout_engine="sglang",
             sglang_url=(server.url,),
             sglang_return_routed_experts=True,
@@ -281,6 +279,6 @@ def test_a_corrupted_checkpoint_stops_the_resume_or_falls_back_with_the_flag(tmp
     resumed = small_config(tmp_path, train_iters=3, load=save)
     with pytest.raises(ValueError, match=r"optim_rank00000\.pt is corrupted"):
         run(resumed, **rendezvous(tmp_path, "rdzv2"))
-    last = run(dataclasses.replace(resumed, load_fallback=True), **rendezvous(tmp_path, "rdzv3"))
+    last = run(resumed.with_flags(load_fallback=True), **rendezvous(tmp_path, "rdzv3"))
     assert [r["step"] for r in _metrics(tmp_path)][-2:] == [2, 3]  # step 1 + 2 more
     assert last

@@ -17,11 +17,11 @@ def small_config(tmp_path, **overrides) -> TrainConfig:
         micro_batch_size=4,
         max_response_length=3,
         run_dir=str(tmp_path / "run"),
-        progress=False,
+        no_progress=True,
         seed=7,
     )
     values.update(overrides)
-    return TrainConfig(**values)
+    return TrainConfig.from_flags(**values)
 
 
 def rendezvous(tmp_path, name: str = "rdzv") -> dict:

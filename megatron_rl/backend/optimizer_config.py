@@ -1,0 +1,56 @@
+"""The optimizer's configuration (importable without megatron-core: ``--help`` stays fast)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_rl.flags import bad_value, option
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    """Adam and megatron's gradient handling."""
+
+    lr: float = option(1e-6, help="learning rate")
+    weight_decay: float = option(0.0, help="decoupled weight decay")
+    adam_beta1: float = option(0.9, help="Adam beta1")
+    adam_beta2: float = option(0.999, help="Adam beta2")
+    adam_eps: float = option(1e-8, help="Adam epsilon")
+    clip_grad: float = option(1.0, help="global gradient-norm clip (<= 0: none)")
+    use_distributed_optimizer: bool = option(True, help="shard Adam state over DP ranks")
+    overlap_grad_reduce: bool = option(
+        False, help="reduce data-parallel gradients during the last micro-batch's backward"
+    )
+    # megatron's HybridDeviceOptimizer: this fraction of the (sharded) Adam state and its update
+    # lives in host memory and runs on the CPU (needs CUDA and the distributed optimizer)
+    cpu_offload: bool = option(
+        False,
+        name="optimizer-cpu-offload",
+        help="megatron's optimizer CPU offload: Adam state and update in host memory (CUDA only; "
+        "needs --use-distributed-optimizer)",
+    )
+    offload_fraction: float = option(
+        1.0, name="optimizer-offload-fraction", help="share of the offloaded optimizer state (0..1)"
+    )
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise bad_value(self, "lr", "must be a finite number > 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise bad_value(self, name, "must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise bad_value(self, "weight_decay", "must be >= 0")
+        if not self.adam_eps > 0:
+            raise bad_value(self, "adam_eps", "must be > 0")
+        if not math.isfinite(self.clip_grad):
+            raise bad_value(self, "clip_grad", "must be finite")
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise bad_value(self, "offload_fraction", "must be in [0, 1]")
+        if self.cpu_offload and not self.use_distributed_optimizer:
+            raise ValueError(
+                "--optimizer-cpu-offload (cpu_offload) needs --use-distributed-optimizer "
+                "(use_distributed_optimizer): megatron offloads through the precision-aware path "
+                "of its distributed optimizer"
+            )

@@ -1,0 +1,77 @@
+"""Training-side model choices that are not part of the HF architecture (no megatron import)."""
+
+from __future__ import annotations
+
+from argparse import ArgumentTypeError
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.flags import bad_value, check_choice, derived, option
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TRANSFORMER_IMPLS = {"auto": "auto", "transformer_engine": "te", "local": "local"}
+
+
+def _spec(text: str) -> str:
+    """``--transformer-impl`` -> `ModelOptions.spec`."""
+    if text not in TRANSFORMER_IMPLS:
+        raise ArgumentTypeError(f"{text!r}: choose one of {tuple(TRANSFORMER_IMPLS)}")
+    return TRANSFORMER_IMPLS[text]
+
+
+def _recompute(text: str) -> bool:
+    """``--recompute-granularity`` -> `ModelOptions.recompute` (megatron's ``full`` only)."""
+    if text != "full":
+        raise ArgumentTypeError(f"{text!r}: only 'full' is supported")
+    return True
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelOptions:
+    """The policy's megatron-core side: precision, layer spec, recompute, uneven stages."""
+
+    dtype: str = option("float32", name="bf16", const="bfloat16", help="bf16 parameters")
+    sequence_parallel: bool | None = None  # None: on whenever tensor parallel > 1
+    routing_replay: bool = derived(False, source="replay.mode != 'off'")
+    aux_loss_coeff: float = 0.0
+    recompute: bool = option(
+        False,
+        name="recompute-granularity",
+        parse=_recompute,
+        help="full: recompute every layer's activations in the backward (megatron's 'full')",
+    )
+    token_dispatcher: str = "alltoall"
+    spec: str = option(
+        "auto",
+        name="transformer-impl",
+        parse=_spec,
+        help="layer spec: auto (transformer_engine on CUDA, error if missing; local on CPU), "
+        "transformer_engine or local",
+    )
+    # uneven pipeline stages: layers of the first / last stage (None: even split)
+    first_stage_layers: int | None = option(
+        None,
+        name="decoder-first-pipeline-num-layers",
+        help="layers of the first pipeline stage (uneven stages); the rest are split evenly",
+    )
+    last_stage_layers: int | None = option(
+        None,
+        name="decoder-last-pipeline-num-layers",
+        help="layers of the last pipeline stage (uneven stages); the rest are split evenly",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise bad_value(self, name, "must be an integer >= 1")
+        check_choice(self, "spec", ("auto", "te", "local"))
+        check_choice(self, "dtype", tuple(DTYPES))
+        if self.aux_loss_coeff < 0:
+            raise bad_value(self, "aux_loss_coeff", "must be >= 0")
+        check_choice(self, "token_dispatcher", ("alltoall", "allgather"))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

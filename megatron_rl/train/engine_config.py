@@ -1,0 +1,92 @@
+"""The rollout engine's configuration: the in-process engine or SGLang servers, and weight sync."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_rl.flags import bad_value, check_choice, check_positive_ints, derived, option
+from megatron_rl.routing.codec import CODECS
+
+ENGINES = ("local", "sglang")
+WEIGHT_SYNC_TRANSPORTS = ("distributed", "tensor", "disk")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """The rollout engine: in-process (the embedded default) or SGLang servers over HTTP."""
+
+    kind: str = option(
+        "local",
+        name="rollout-engine",
+        choices=ENGINES,
+        help="local: the in-process engine; sglang: SGLang servers (--sglang-url)",
+    )
+    rollout_dtype: str = option(
+        "float32", choices=("float32", "bfloat16"), help="the in-process engine's compute dtype"
+    )
+    sglang_url: tuple[str, ...] = option(
+        (), help="an SGLang worker (repeat for each); control calls and weight sync go to each"
+    )
+    sglang_router_url: str | None = option(
+        None, help="sglang-router: generation goes through it (R3 generation: the workers)"
+    )
+    sglang_min_servers: int = option(
+        1,
+        help="a dead server is dropped and rejoins after a full weight sync; the run stops only "
+        "when fewer than this many are left",
+    )
+    sglang_return_routed_experts: bool = option(
+        False,
+        help="the servers run with --enable-return-routed-experts (needed by --routing-replay r3)",
+    )
+    weight_sync_transport: str = option(
+        "distributed",
+        choices=WEIGHT_SYNC_TRANSPORTS,
+        help="distributed (NCCL/gloo broadcast), tensor (shared memory, same host) or disk",
+    )
+    sglang_engine_ranks: int = option(1, help="TP ranks of each SGLang server (weight-sync group)")
+    sglang_request_timeout: float | None = option(
+        None,
+        help="read timeout (s) of one SGLang request; default none (a timed-out request is "
+        "aborted and retried elsewhere, the server is not marked down)",
+    )
+    sglang_startup_timeout: float = option(
+        3600.0,
+        help="seconds to wait for every SGLang server's /health before the first weight sync "
+        "(servers listen only once their model is loaded)",
+    )
+    weight_sync_min_gbps: float = option(
+        1.0,
+        help="the slowest weight push (GB/s) that is still healthy: the other ranks wait for "
+        "rank 0's push at most 300 s + 2 x model bytes / this (not the process group's timeout)",
+    )
+    routing_dtype: str = derived("auto", source="replay.dtype")  # codec of the engine's routes
+    weight_sync_dir: str = derived("runs/latest/weight_sync", source="logging.run_dir")  # disk
+
+    def __post_init__(self) -> None:
+        check_choice(self, "kind", ENGINES)
+        check_choice(self, "weight_sync_transport", WEIGHT_SYNC_TRANSPORTS)
+        check_choice(self, "rollout_dtype", ("float32", "bfloat16"))
+        check_choice(self, "routing_dtype", CODECS)
+        check_positive_ints(self, "sglang_engine_ranks", "sglang_min_servers")
+        if self.kind == "sglang" and not self.sglang_url:
+            raise ValueError("--rollout-engine sglang needs at least one --sglang-url")
+        if not (math.isfinite(self.weight_sync_min_gbps) and self.weight_sync_min_gbps > 0):
+            raise bad_value(self, "weight_sync_min_gbps", "must be a number > 0 (GB/s)")
+        if not self.sglang_startup_timeout > 0:
+            raise bad_value(self, "sglang_startup_timeout", "must be > 0 seconds")
+        if self.sglang_request_timeout is not None and not self.sglang_request_timeout > 0:
+            raise bad_value(self, "sglang_request_timeout", "must be > 0 (or none)")
+
+    @property
+    def remote(self) -> bool:
+        """The engine runs outside the trainer's processes (SGLang servers behind HTTP).
+
+        Remote servers receive the whole model from global rank 0 while the other ranks finish
+        their part of the stream and wait for rank 0's result (`SyncWait`, which also shares
+        the servers' membership metrics); every rank holds a client. The in-process engine is
+        built on, and receives its weights on, every generator rank (each model-parallel
+        group's source rank).
+        """
+        return self.kind == "sglang"

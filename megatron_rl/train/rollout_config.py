@@ -1,0 +1,70 @@
+"""The rollout phase's configuration: prompts per rollout, sampling, grouping, asynchrony."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatron_rl.flags import bad_value, check_choice, check_positive_ints, option
+from megatron_rl.train.advantages import ADVANTAGE_ESTIMATORS
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """Sampling and grouping of the rollout phase; one-step-off-policy rollouts."""
+
+    rollout_batch_size: int = option(16, help="prompts per rollout")
+    n_samples_per_prompt: int = option(8, help="samples per prompt (the group size)")
+    max_response_length: int = option(4, help="longest response in tokens")
+    temperature: float = option(1.0, help="sampling temperature (> 0)")
+    top_p: float = option(1.0, help="nucleus sampling: keep tokens up to this mass (0, 1]")
+    top_k: int = option(-1, help="keep the k most likely tokens (-1: no limit)")
+    advantage_estimator: str = option(
+        "grpo", choices=ADVANTAGE_ESTIMATORS, help="advantages from the group's rewards"
+    )
+    filter_zero_variance_groups: bool = option(
+        False, help="mask groups whose rewards are all equal out of the loss"
+    )
+    async_rollout: bool = option(
+        False,
+        help="one-step-off-policy: generate rollout k+1 in the background while step k trains "
+        "(samples are 1 weight version behind; see megatron_rl/train/async_rollout.py)",
+    )
+    max_staleness: int = option(
+        1,
+        help="with --async-rollout: a batch more than this many weight versions behind the "
+        "trainer is dropped and generated again (>= 1; default 1)",
+    )
+
+    def __post_init__(self) -> None:
+        check_positive_ints(self, "rollout_batch_size", "n_samples_per_prompt")
+        check_positive_ints(self, "max_response_length")
+        check_choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise bad_value(
+                self,
+                "temperature",
+                "must be > 0 (at 0 every sample of a prompt is the same, every group has zero "
+                "variance and nothing is learned)",
+            )
+        if not 0 < self.top_p <= 1:
+            raise bad_value(self, "top_p", "must be in (0, 1] (1 keeps every token)")
+        if self.top_k == 0 or self.top_k < -1:
+            raise bad_value(self, "top_k", "must be -1 (no limit) or >= 1")
+        if not (isinstance(self.max_staleness, int) and self.max_staleness >= 1):
+            raise bad_value(
+                self,
+                "max_staleness",
+                "must be an integer >= 1 (weight versions a batch may lag behind the trainer; "
+                "with --async-rollout one batch is in flight, so its samples are 1 version "
+                "behind)",
+            )
+        if self.max_staleness != 1 and not self.async_rollout:
+            raise ValueError(
+                f"--max-staleness {self.max_staleness} without --async-rollout: synchronous "
+                "rollouts are never stale; add --async-rollout or drop --max-staleness"
+            )
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt

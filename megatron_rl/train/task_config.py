@@ -1,0 +1,42 @@
+"""The task's configuration: the policy checkpoint, its prompts and its reward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_rl.data.dataset import PROMPT_TOO_LONG
+from megatron_rl.flags import bad_value, check_choice, derived, option
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskConfig:
+    """Policy, prompts and reward: checked before the model is built; an error is one line naming
+    the file, row and field (set MEGATRON_RL_DEBUG=1 for the traceback)."""
+
+    model: str = option(
+        "tiny", help="a preset (tiny, tiny-dense-tied, qwen3-30b-a3b, ...) or HF checkpoint"
+    )
+    prompt_data: str | None = option(None, help="JSONL/Parquet prompts; default: the built-in task")
+    tokenizer: str | None = option(None, help="HF tokenizer folder (default: the --model folder)")
+    max_prompt_length: int | None = option(
+        None,
+        help="longest prompt in tokens (chat template included); default and upper bound: the "
+        "model's max_position_embeddings - --max-response-length",
+    )
+    prompt_too_long: str = option(
+        "error",
+        choices=PROMPT_TOO_LONG,
+        help="a prompt over that limit: error (default; names the row), drop the row, or "
+        "truncate-left (keep its last tokens)",
+    )
+    reward: str = option("builtin", help="builtin, math, or module:function")
+    # a prompt gets the model's context minus the longest response
+    max_response_length: int = derived(4, source="rollout.max_response_length")
+    seed: int = derived(1234, source="parallel.seed")  # the prompt sampler's seed
+    # the toy presets' vocabulary is padded to a multiple of it
+    tensor_parallel: int = derived(1, source="parallel.tensor_parallel")
+
+    def __post_init__(self) -> None:
+        check_choice(self, "prompt_too_long", PROMPT_TOO_LONG)
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise bad_value(self, "max_prompt_length", "must be >= 1")
