@@ -2,7 +2,7 @@
 
 Flags are parsed and validated before megatron-core, transformers or a model are imported, so
 ``--help`` and flag errors answer at once. Then ``--load`` is resolved and the task (prompt data,
-tokenizer, prompt lengths, reward function) is built (`megatron_rl.train.setup.build_task`)
+tokenizer, prompt lengths, reward function) is built (`megatron_rl.train.task.build_task`)
 before the model is; the run gets both, so neither is done twice. Each of these errors is one
 line, ``error: ...`` on stderr, exit status 2; set the environment variable
 ``MEGATRON_RL_DEBUG=1`` to get the full traceback as well.
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return _start_up_error(err)
     quiet_third_party_warnings()
     from megatron_rl.train.run import TrainingStopped, resolve_load, run
-    from megatron_rl.train.setup import build_task
+    from megatron_rl.train.task import build_task
 
     try:
         load = resolve_load(config)  # checked before megatron builds anything

@@ -26,7 +26,7 @@ from megatron_rl.train.checkpoint import (
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.preemption import PreemptionHandler
 from megatron_rl.train.run_logger import RunLogger, plot_learning_curve
-from megatron_rl.train.setup import Task
+from megatron_rl.train.task import Task
 from megatron_rl.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)

@@ -60,8 +60,8 @@ from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.reference import ReferencePolicy
 from megatron_rl.train.rollout_phase import run_rollout
 from megatron_rl.train.rollout_source import RolloutHooks, RolloutSource, SyncRollouts
-from megatron_rl.train.setup import Task, build_task
 from megatron_rl.train.sync_wait import SyncWait, hf_model_bytes, weight_sync_timeout_s
+from megatron_rl.train.task import Task, build_task
 
 logger = logging.getLogger(__name__)
 

@@ -85,9 +85,9 @@ def free_port() -> int:
 
 def task_hf_config(**overrides):
     """The trainer's ``--model tiny`` policy for the built-in task (its 16-token vocabulary),
-    as `megatron_rl.train.setup.build_task` builds it; ``overrides`` change the preset."""
+    as `megatron_rl.train.task.build_task` builds it; ``overrides`` change the preset."""
     from megatron_rl.model import preset_config
-    from megatron_rl.train.setup import TaskConfig, build_task
+    from megatron_rl.train.task import TaskConfig, build_task
 
     config = build_task(TaskConfig(model="tiny")).hf_config
     if overrides:

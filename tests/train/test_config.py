@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -221,3 +223,40 @@ def test_a_router_carries_generation_and_the_workers_control():
     argv = "--rollout-engine sglang --sglang-url http://w0:30000"
     config = parse_args([*argv.split(), "--sglang-router-url", "http://router:29000"])
     assert config.engine.sglang_router_url == "http://router:29000"
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    """Every ``python|torchrun ... -m megatron_rl.train ...`` line in a code block of README.md
+    and docs/*.md (continuation lines joined, comments dropped): (where, its flags)."""
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        inside, pending = False, ""
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                inside, pending = not inside, ""
+                continue
+            if not inside:
+                continue
+            line = pending + line
+            if line.rstrip().endswith("\\"):
+                pending = line.rstrip()[:-1] + " "
+                continue
+            pending = ""
+            if not line.lstrip().startswith(("python ", "torchrun ")):
+                continue
+            words = shlex.split(line, comments=True)
+            if "megatron_rl.train" in words:
+                flags = words[words.index("megatron_rl.train") + 1 :]
+                found.append((f"{path.name}:{number}", flags))
+    return found
+
+
+def test_every_command_line_in_the_readme_and_docs_parses():
+    commands = _documented_commands()
+    assert len(commands) >= 5  # the README's examples at least
+    for where, flags in commands:
+        try:
+            parse_args(flags)
+        except (SystemExit, ValueError) as err:
+            pytest.fail(f"{where}: {' '.join(flags)} does not parse: {err!r}")

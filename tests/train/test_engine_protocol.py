@@ -12,7 +12,7 @@ import megatron_rl.train.trainer as trainer_module
 from megatron_rl.rollout import InProcessEngine, RolloutEngine
 from megatron_rl.rollout.sglang_client import SGLangEngine
 from megatron_rl.train.engines import EngineConfig
-from megatron_rl.train.setup import TaskConfig, build_task
+from megatron_rl.train.task import TaskConfig, build_task
 from megatron_rl.train.trainer import Trainer
 
 PROTOCOL = {

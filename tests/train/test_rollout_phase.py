@@ -13,7 +13,7 @@ from megatron_rl.rewards import score_builtin_response
 from megatron_rl.rollout import InProcessEngine
 from megatron_rl.train.advantages import group_advantages
 from megatron_rl.train.rollout_phase import RolloutConfig, run_rollout
-from megatron_rl.train.setup import TaskConfig, load_policy_config
+from megatron_rl.train.task import TaskConfig, load_policy_config
 
 
 @pytest.fixture(scope="module")

@@ -246,7 +246,7 @@ def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
     from megatron_rl.data import BuiltinTaskConfig, builtin_task
     from megatron_rl.rollout import InProcessEngine
     from megatron_rl.rollout.loopback_server import LoopbackServer
-    from megatron_rl.train.setup import load_policy_config
+    from megatron_rl.train.task import load_policy_config
 
     config = small_config(tmp_path)
     tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.parallel.seed))
