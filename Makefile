@@ -30,8 +30,9 @@ $(SGLANG_STAMP): tests/real_sglang/install.sh tests/real_sglang/requirements.txt
 
 sglang-env: $(SGLANG_STAMP)
 
+# runs/main again: the previous run's metrics are kept as runs/main/metrics.jsonl.<UTC time>.bak
 main: $(STAMP)
-	$(PY) -m megatron_rl.train --run-dir runs/main
+	$(PY) -m megatron_rl.train --run-dir runs/main --overwrite-run-dir
 
 report: $(STAMP)
 	$(PY) tools/loss_report.py --out runs/loss_report

@@ -250,7 +250,9 @@ def plan(args, extra: list[str]) -> list[tuple[Run, list[str]]]:
             for mode, mode_flags in MODES.items():
                 run_dir = args.out / f"{loss}-{mode}" / f"seed{seed}"
                 flags = [
-                    "--run-dir", str(run_dir), "--no-progress", "--loss", loss,
+                    # an unfinished run is run again; its rows are kept aside, not refused
+                    "--run-dir", str(run_dir), "--overwrite-run-dir", "--no-progress",
+                    "--loss", loss,
                     "--seed", str(seed), "--torch-threads", str(args.torch_threads),
                     *mode_flags, *extra,
                 ]  # fmt: skip

@@ -17,7 +17,9 @@ class OptimizerConfig:
     adam_beta1: float = option(0.9, help="Adam beta1")
     adam_beta2: float = option(0.999, help="Adam beta2")
     adam_eps: float = option(1e-8, help="Adam epsilon")
-    clip_grad: float = option(1.0, help="global gradient-norm clip (<= 0: none)")
+    clip_grad: float = option(
+        1.0, help="clip the global gradient L2 norm to this (>= 0; 0: no clipping, as megatron)"
+    )
     use_distributed_optimizer: bool = option(True, help="shard Adam state over DP ranks")
     overlap_grad_reduce: bool = option(
         False, help="reduce data-parallel gradients during the last micro-batch's backward"
@@ -40,12 +42,14 @@ class OptimizerConfig:
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad_value(self, name, "must be in [0, 1)")
-        if self.weight_decay < 0:
-            raise bad_value(self, "weight_decay", "must be >= 0")
-        if not self.adam_eps > 0:
-            raise bad_value(self, "adam_eps", "must be > 0")
-        if not math.isfinite(self.clip_grad):
-            raise bad_value(self, "clip_grad", "must be finite")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise bad_value(self, "weight_decay", "must be a finite number >= 0")
+        if not (math.isfinite(self.adam_eps) and self.adam_eps > 0):
+            raise bad_value(self, "adam_eps", "must be a finite number > 0")
+        if not (math.isfinite(self.clip_grad) and self.clip_grad >= 0):
+            raise bad_value(
+                self, "clip_grad", "must be a finite number >= 0 (0 turns clipping off)"
+            )
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise bad_value(self, "offload_fraction", "must be in [0, 1]")
         if self.cpu_offload and not self.use_distributed_optimizer:

@@ -138,7 +138,8 @@ def load_prompt_dataset(
 
 _FIX = (
     'each row must be an object like {"prompt": "...", "answer": "..."} or the DAPO layout '
-    '{"prompt": [{"role": "user", "content": "..."}], "reward_model": {"ground_truth": "..."}}'
+    '{"prompt": [{"role": "user", "content": "..."}], "reward_model": {"ground_truth": "..."}} '
+    "(other field names: --prompt-key / --answer-key)"
 )
 
 
@@ -229,11 +230,13 @@ def _lookup(row: dict[str, Any], key: str) -> tuple[bool, Any]:
 
 
 def _field(row: dict[str, Any], key: str, where: str) -> Any:
+    """The prompt field ``key`` of ``row`` (``--prompt-key``)."""
     found, value = _lookup(row, key)
     if not found or value is None:
         raise ValueError(
-            f"{where}: missing field {key!r} (row has {sorted(row)}): pass the right key "
-            "(prompt_key / answer_key) or fix the row"
+            f"{where}: missing field {key!r} (row has {sorted(row)}): pass --prompt-key "
+            "(prompt_key) naming the prompt field (dotted paths reach nested fields), or fix the "
+            "row"
         )
     return value
 
@@ -272,8 +275,9 @@ def _answer(row: dict[str, Any], answer_key: str | None, where: str) -> str:
     else:
         tried = " / ".join(repr(k) for k in keys)
         raise ValueError(
-            f"{where}: missing answer field {tried} (row has {sorted(row)}): pass answer_key "
-            "naming the reference-answer field (dotted paths reach nested fields)"
+            f"{where}: missing answer field {tried} (row has {sorted(row)}): pass --answer-key "
+            "(answer_key) naming the reference-answer field (dotted paths reach nested fields), "
+            "or fix the row"
         )
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ValueError(

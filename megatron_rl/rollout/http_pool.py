@@ -15,6 +15,14 @@ Membership: `HttpPool.drop` takes a server out of the pool (no generation is sen
 probe brings it back) until `HttpPool.admit`; `WeightSync` drops a server that died or failed a
 sync and admits it again only after a full sync at the current version.
 
+Stalls: a request without a read timeout (``/generate`` by default, weight updates) waits for
+its answer in slices of ``liveness_interval_s``; after each silent slice the server's
+``/model_info`` must answer within ``health_timeout_s`` (one check per server at a time, its
+verdict shared by every request waiting on it). A server that accepts connections but answers
+nothing is so marked down and the request retried elsewhere within about ``2 x
+liveness_interval_s + health_timeout_s``, instead of never. SGLang answers ``/model_info`` from
+its HTTP process (the tokenizer manager), also while it generates, loads weights or is paused.
+
 Timeouts follow SGLang 0.5's handlers (``sglang/srt/entrypoints/http_server.py``): ``/health``
 generates one token and sleeps 1 s before its first check, answering 503 only after
 ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), so ``health_timeout_s`` defaults to 30 s; ``/generate``
@@ -29,6 +37,8 @@ import dataclasses
 import http.client
 import json
 import logging
+import math
+import socket
 import threading
 import time
 import urllib.parse
@@ -55,6 +65,10 @@ class ReadTimeout(TimeoutError):
     """Connected, but no (complete) answer within the read timeout: the server may be busy."""
 
 
+class ServerSilent(ConnectionError):
+    """Connected, no answer yet, and the server does not answer its liveness check either."""
+
+
 class _Retryable(Exception):
     def __init__(self, message: str, *, mark_down: bool = True) -> None:
         super().__init__(message)
@@ -69,7 +83,9 @@ class HttpPoolConfig:
     waits as long as the server takes (generations can be long; a dead server is still noticed
     through a refused or reset connection). ``health_timeout_s``: one ``/health`` probe, > 20 s
     (SGLang's own health-check timeout). ``flush_timeout_s``: how long `HttpPool.flush_cache`
-    waits for a server to become idle.
+    waits for a server to become idle. ``liveness_interval_s``: a request without a read timeout
+    checks its server's ``/model_info`` after every this many seconds without an answer (see the
+    module docstring); None: no check (a stalled server is waited for forever).
     """
 
     urls: tuple[str, ...]
@@ -81,6 +97,7 @@ class HttpPoolConfig:
     down_s: float = 10.0
     health_timeout_s: float = 30.0
     flush_timeout_s: float = 120.0
+    liveness_interval_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         self.urls = tuple(self.urls)
@@ -95,6 +112,11 @@ class HttpPoolConfig:
             raise ValueError(
                 f"HttpPoolConfig.request_timeout_s={self.request_timeout_s!r}: must be > 0, or "
                 "None for no read timeout"
+            )
+        if self.liveness_interval_s is not None and not self.liveness_interval_s > 0:
+            raise ValueError(
+                f"HttpPoolConfig.liveness_interval_s={self.liveness_interval_s!r}: must be > 0 "
+                "seconds, or None for no liveness check"
             )
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"HttpPoolConfig.max_attempts={self.max_attempts!r}: must be >= 1")
@@ -121,11 +143,15 @@ def request_json(
     *,
     timeout_s: float | None,
     connect_timeout_s: float | None = None,
+    liveness_s: float | None = None,
+    still_alive: Callable[[], None] | None = None,
 ) -> tuple[int, object]:
     """One HTTP request; returns (status, decoded JSON or text).
 
     ``connect_timeout_s`` bounds the TCP connect (default: ``timeout_s``); ``timeout_s`` bounds
-    each read after it (None: no read timeout). Raises OSError-family errors; a timeout after the
+    each read after it (None: no read timeout). Without a read timeout, ``still_alive()`` (when
+    given) runs after every ``liveness_s`` seconds without the answer's first byte; it raises
+    (e.g. `ServerSilent`) to give up. Raises OSError-family errors; a timeout after the
     connection was made is a `ReadTimeout`.
     """
     parsed = urllib.parse.urlparse(url)
@@ -138,6 +164,8 @@ def request_json(
         headers = {"Content-Type": "application/json"} if body is not None else {}
         try:
             conn.request(method, path, body=body, headers=headers)
+            if timeout_s is None and liveness_s is not None and still_alive is not None:
+                _await_answer(conn.sock, liveness_s, still_alive)
             response = conn.getresponse()
             raw = response.read()
         except TimeoutError as err:
@@ -151,6 +179,21 @@ def request_json(
         return response.status, text
 
 
+def _await_answer(sock: socket.socket, every_s: float, still_alive: Callable[[], None]) -> None:
+    """Block until the answer's first byte is there (or the peer closed), calling
+    ``still_alive()`` after every ``every_s`` seconds of silence."""
+    sock.settimeout(every_s)
+    try:
+        while True:
+            try:
+                sock.recv(1, socket.MSG_PEEK)  # b"" when closed: getresponse reports it
+                return
+            except TimeoutError:
+                still_alive()
+    finally:
+        sock.settimeout(None)
+
+
 class HttpPool:
     """Thread-safe: requests from many threads share the health state."""
 
@@ -161,7 +204,10 @@ class HttpPool:
         self._dropped: dict[str, str] = {}  # url -> why (out of the pool until `admit`)
         self._info_paths: dict[tuple[str, str], str] = {}  # (url, route) -> path served
         self._lock = threading.Lock()
+        self._liveness = dict.fromkeys(config.urls, (-math.inf, True))  # url -> (when, verdict)
+        self._liveness_locks = {u: threading.Lock() for u in config.urls}
         self.retries = 0  # requests re-sent after a failure (for metrics and tests)
+        self.liveness_checks = 0  # `_alive_now` checks sent (for tests)
 
     # ------------------------------------------------------------------ health
     def probe(self, url: str) -> bool:
@@ -192,9 +238,31 @@ class HttpPool:
             return False
         return True
 
+    def _alive_now(self, url: str) -> bool:
+        """`alive`, for requests waiting on ``url``: one check at a time per server, and a
+        verdict younger than ``liveness_interval_s`` is reused instead of asking again."""
+        with self._liveness_locks[url]:
+            checked_at, verdict = self._liveness[url]
+            if time.monotonic() - checked_at < (self.config.liveness_interval_s or 0.0):
+                return verdict
+            self.liveness_checks += 1
+            verdict = self.alive(url)
+            self._liveness[url] = (time.monotonic(), verdict)
+            return verdict
+
+    def _still_alive(self, url: str) -> Callable[[], None]:
+        def check() -> None:
+            if not self._alive_now(url):
+                raise ServerSilent(
+                    f"no answer for {self.config.liveness_interval_s} s and /model_info "
+                    f"unanswered within {self.config.health_timeout_s} s"
+                )
+
+        return check
+
     def alive_all(self, urls: Sequence[str]) -> list[str]:
         """`alive` on every url at once; the live ones, in order."""
-        return self._where(self.alive, urls)
+        return self.each(self.alive, urls)
 
     def model_info(self, url: str, *, timeout_s: float | None = None) -> dict:
         """``GET /model_info`` (``/get_model_info``, its deprecated alias, where that answers
@@ -224,10 +292,10 @@ class HttpPool:
 
     def probe_all(self, urls: Sequence[str] | None = None) -> list[str]:
         """`probe` every url at once (each takes >= 1 s on SGLang); the healthy ones, in order."""
-        return self._where(self.probe, self.config.urls if urls is None else urls)
+        return self.each(self.probe, self.config.urls if urls is None else urls)
 
     @staticmethod
-    def _where(check: Callable[[str], bool], urls: Sequence[str]) -> list[str]:
+    def each(check: Callable[[str], bool], urls: Sequence[str]) -> list[str]:
         """``check`` on every url at once (one thread each); those it passed, in order."""
         urls = list(urls)
         if len(urls) <= 1:
@@ -413,6 +481,8 @@ class HttpPool:
                 payload,
                 timeout_s=timeout_s,
                 connect_timeout_s=self.config.connect_timeout_s,
+                liveness_s=self.config.liveness_interval_s,
+                still_alive=self._still_alive(url) if url in self._liveness_locks else None,
             )
         except ReadTimeout as err:
             raise _Retryable(f"read timed out after {timeout_s} s", mark_down=False) from err

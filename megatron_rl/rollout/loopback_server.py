@@ -19,8 +19,10 @@ Neither checks the weights for NaN/Inf (SGLang does not; the trainer checks befo
 Differences from SGLang, deliberately: one extra endpoint,
 ``/weights_checksum`` (SGLang has none), serves the checksum mode. ``before_request`` lets tests
 inject faults: return "drop" (close without answering), "503", "stall" (sleep ``stall_s``; a
-stalled ``/generate`` counts as running and ends early on ``/abort_request``), or
-"die" (stop the server, dropping the request).
+stalled ``/generate`` counts as running and ends early on ``/abort_request``), "hang" (the
+connection is accepted and never answered, whatever the timeout, until `release_hung` or `stop`
+close it: a wedged server, e.g. a hung scheduler or a frozen host, which the real server cannot
+be made into on demand in a test), or "die" (stop the server, dropping the request).
 
 It refuses what SGLang 0.5.23 refuses: tensor and distributed updates outside a
 ``/begin_weight_update`` .. ``/end_weight_update`` session and a second begin (HTTP 400,
@@ -96,6 +98,9 @@ class LoopbackServer:
         self.weight_groups: dict[str, GroupMemberProcess] = {}
         self._resume = threading.Event()
         self._resume.set()
+        self._hang = threading.Condition()
+        self._hang_epoch = 0  # `release_hung` moves it: the requests held before it close
+        self.hung_now = 0  # requests held unanswered by the "hang" fault right now
         handler = type("Handler", (_Handler,), {"app": self})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
@@ -107,10 +112,27 @@ class LoopbackServer:
         return self
 
     def stop(self) -> None:
+        self.release_hung()
         self.httpd.shutdown()
         self.httpd.server_close()
         while self.weight_groups:
             self.weight_groups.popitem()[1].close()
+
+    def release_hung(self) -> None:
+        """Close every connection the "hang" fault holds, without an answer."""
+        with self._hang:
+            self._hang_epoch += 1
+            self._hang.notify_all()
+
+    def _hold(self) -> None:
+        """Hold a request unanswered until `release_hung` (the "hang" fault)."""
+        with self._hang:
+            epoch = self._hang_epoch
+            self.hung_now += 1
+            try:
+                self._hang.wait_for(lambda: self._hang_epoch != epoch)
+            finally:
+                self.hung_now -= 1
 
     def __enter__(self) -> LoopbackServer:
         return self.start()
@@ -432,6 +454,10 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "drop":
             self.close_connection = True
             self.connection.shutdown(2)
+            return
+        if fault == "hang":  # accepted, never answered; closed by release_hung or stop
+            app._hold()
+            self.close_connection = True
             return
         if fault == "die":
             self.close_connection = True

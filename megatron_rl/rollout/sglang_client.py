@@ -61,7 +61,12 @@ from megatron_rl.rollout.sglang_payload import (
     parse_version,
 )
 from megatron_rl.rollout.types import EngineHealth, RolloutSample, SamplingParams
-from megatron_rl.rollout.weight_sync import SyncReport, WeightSync, WeightSyncConfig
+from megatron_rl.rollout.weight_sync import (
+    ReprobeConfig,
+    SyncReport,
+    WeightSync,
+    WeightSyncConfig,
+)
 from megatron_rl.routing import CODECS, RoutingCodec
 
 logger = logging.getLogger(__name__)
@@ -81,6 +86,8 @@ class SGLangEngineConfig:
     (`moe_layer_pattern` of the HF config); SGLang returns routes for all of them.
     ``min_servers``: a weight sync fails (`WeightSyncError`, the run stops) when fewer worker
     servers than this are left; a dead one is dropped and the run goes on with the others.
+    ``reprobe``: how a dropped worker is probed in the background until it may rejoin
+    (`megatron_rl.rollout.weight_sync.reprobe`).
     """
 
     http: HttpPoolConfig
@@ -94,6 +101,7 @@ class SGLangEngineConfig:
     startup_timeout_s: float = 3600.0
     sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
     min_servers: int = 1
+    reprobe: ReprobeConfig = dataclasses.field(default_factory=ReprobeConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_servers, int) or self.min_servers < 1:
@@ -161,7 +169,11 @@ class SGLangEngine:
         )
         self.codec = RoutingCodec(config.num_experts, config.topk, config.routing_codec)
         self.weight_sync = WeightSync(
-            self.workers, config.sync, hf_config, min_servers=config.min_servers
+            self.workers,
+            config.sync,
+            hf_config,
+            min_servers=config.min_servers,
+            reprobe=config.reprobe,
         )
         self._threads = ThreadPoolExecutor(max_workers=config.max_in_flight)
         self._version = 0
@@ -327,10 +339,14 @@ class SGLangEngine:
                 )
 
     def membership_metrics(self) -> dict[str, float]:
-        """``rollout/servers_up`` (pool members) and ``rollout/servers_dropped`` (drops so far)."""
+        """The same four keys on every call: ``rollout/servers_up`` (pool members),
+        ``rollout/servers_out`` (dropped and not rejoined: up + out = the ``--sglang-url``
+        count), ``rollout/servers_dropped`` and ``rollout/servers_rejoined`` (events so far)."""
         return {
             "rollout/servers_up": float(len(self.workers.members())),
+            "rollout/servers_out": float(len(self.workers.dropped())),
             "rollout/servers_dropped": float(self.weight_sync.dropped_total),
+            "rollout/servers_rejoined": float(self.weight_sync.rejoined_total),
         }
 
     def update_weights(
@@ -356,7 +372,10 @@ class SGLangEngine:
             self._abort({"rid": rid})
 
     def _abort(self, payload: dict) -> None:
-        for url in self.workers.members():
+        """``/abort_request`` on every member at once (a stalled one costs ``health_timeout_s``
+        once, not once per member)."""
+
+        def abort(url: str) -> bool:
             try:
                 self.workers.call_on(
                     url,
@@ -367,6 +386,9 @@ class SGLangEngine:
                 )
             except RuntimeError as err:
                 logger.warning("abort_request %s on %s failed: %s", payload, url, err)
+            return True
+
+        self.workers.each(abort, self.workers.members())
 
     def health(self) -> EngineHealth:
         """Healthy when at least one member worker answers /health, all healthy ones agree on
@@ -379,8 +401,10 @@ class SGLangEngine:
             return EngineHealth(
                 healthy=False, weight_version=self._version, detail=f"no server up{router}"
             )
+        timeout = self.config.http.health_timeout_s
         versions = {
-            u: parse_version(self.workers.model_info(u).get("weight_version"), u) for u in up
+            u: parse_version(self.workers.model_info(u, timeout_s=timeout).get("weight_version"), u)
+            for u in up
         }
         agree = len(set(versions.values())) == 1
         dropped = self.workers.dropped()

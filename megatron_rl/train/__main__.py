@@ -3,8 +3,9 @@
 Flags are parsed and validated before megatron-core, transformers or a model are imported, so
 ``--help`` and flag errors answer at once. Then ``--load`` is resolved and the task (prompt data,
 tokenizer, prompt lengths, reward function) is built (`megatron_rl.train.task.build_task`)
-before the model is; the run gets both, so neither is done twice. Each of these errors is one
-line, ``error: ...`` on stderr, exit status 2; set the environment variable
+before the model is; the run gets both, so neither is done twice. The run's first act on rank 0
+is to check and lock ``--save`` and ``--run-dir`` (`megatron_rl.train.run_lock`). Each of these
+errors is one line, ``error: ...`` on stderr, exit status 2; set the environment variable
 ``MEGATRON_RL_DEBUG=1`` to get the full traceback as well.
 """
 
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         return _start_up_error(err)
     quiet_third_party_warnings()
+    from megatron_rl.train.checkpoint_folders import CheckpointDamaged
     from megatron_rl.train.run import TrainingStopped, resolve_load, run
+    from megatron_rl.train.run_lock import RunFolderError
     from megatron_rl.train.task import build_task
 
     try:
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return _start_up_error(err)
     try:
         run(config, task=task, load=load)
+    except RunFolderError as err:  # raised by rank 0 before the model is built
+        return _start_up_error(err)
+    except CheckpointDamaged as err:  # a flipped byte is found only when the shards are read
+        return _start_up_error(err)
     except TrainingStopped as err:
         print(f"stopped: {err}", file=sys.stderr)  # noqa: T201
         return 1

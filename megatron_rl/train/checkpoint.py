@@ -17,12 +17,19 @@ the folder to ``step_00000100`` and only then rewrites ``latest``. A crash at an
 previous checkpoint intact and ``latest`` pointing at it; leftover ``.tmp_*`` entries are removed
 by the next save.
 
-* Complete means: ``checkpoint.json`` parses and every file it lists is there with its size.
-  Loading also checks each rank's files against their sha256 (a flipped byte is a named error;
-  ``fallback=True`` loads the newest older checkpoint that verifies instead).
-* A committed step is never rewritten or renamed aside: saving a step that is already committed
-  only points ``latest`` at it. Old checkpoints are pruned by renaming them to ``.tmp_*`` first,
-  so an interrupted pruning never leaves a step folder that looks loadable.
+* Loading (`load_training_state`) takes the step ``latest`` names and checks its folder: the
+  records and sizes in ``checkpoint.json``, then every file's sha256. Any damage (a missing or
+  broken ``checkpoint.json``, a truncated or missing file, a flipped byte) is a
+  `CheckpointDamaged` error naming the folder, the file and what is wrong; ``fallback=True``
+  (``--load-fallback``) loads the newest older step that verifies instead. Never an older step
+  quietly (`megatron_rl.train.checkpoint_folders`).
+* A step this process committed is never rewritten or renamed aside: saving it again only points
+  ``latest`` at it. A folder of the same step that this process did not commit is renamed to
+  ``step_XXXXXXXX.replaced_<ns>`` (kept) before the new one takes its name.
+* Pruning, after each commit, removes only folders of steps older than the step just committed
+  and checked by this process (`_prune`): nothing that might be the only copy goes before this
+  run has a newer step of its own. Folders are removed by renaming them to ``.tmp_*`` first, so
+  an interrupted pruning never leaves a step folder that looks loadable.
 
 Two formats (``fmt`` / ``--ckpt-format``; loading reads ``format`` in ``checkpoint.json``, and
 a folder without it is ``torch``):
@@ -64,7 +71,24 @@ import torch
 from megatron_rl.atomic_io import atomic_write_text, fsync_dir, fsync_file
 from megatron_rl.collectives import all_gather_objects, any_rank, barrier, rank_and_world_size
 from megatron_rl.parallel import initialized_parallel_state
-from megatron_rl.train.dist_checkpoint import FORMAT as DIST_CHECKPOINT_FORMAT
+from megatron_rl.train.checkpoint_folders import (
+    CKPT_FORMATS,
+    DIST_FORMAT,
+    LATEST_FILE,
+    META_FILE,
+    RL_STATE_FILE,
+    SET_ASIDE,
+    STEP_FOLDER,
+    TORCH_FORMAT,
+    CheckpointDamaged,
+    choose_step,
+    folder_problem,
+    latest_step,
+    older_step,
+    read_meta,
+    step_dir_name,
+    step_folders,
+)
 from megatron_rl.train.dist_checkpoint import load_sharded, save_sharded
 from megatron_rl.train.optimizer_state import (
     load_optimizer_state,
@@ -75,19 +99,27 @@ from megatron_rl.train.rng_state import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "CKPT_FORMATS",
+    "DIST_FORMAT",
+    "LATEST_FILE",
+    "META_FILE",
+    "TORCH_FORMAT",
+    "CheckpointDamaged",
+    "PendingSave",
+    "latest_step",
+    "load_training_state",
+    "pending_save",
+    "save_training_state",
+    "start_async_save",
+    "step_dir_name",
+]
+
 FORMAT_VERSION = 2  # 2: checkpoint.json lists every file with its size and sha256
-TORCH_FORMAT = "torch"  # per-rank torch.save files: resumes at the saved layout only
-DIST_FORMAT = DIST_CHECKPOINT_FORMAT  # megatron dist_checkpointing: resumes at another layout
-CKPT_FORMATS = (TORCH_FORMAT, DIST_FORMAT)
-LATEST_FILE = "latest"
-META_FILE = "checkpoint.json"
-RL_STATE_FILE = "rl_state.json"
 _TMP_PREFIXES = (".tmp_", ".tmp-")  # our staging folders; atomic_write_text's temp files
 _RANK_FILE = re.compile(r"(model|optim|rng)_rank\d{5}\.pt$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
+# realpath of a save folder -> the steps this process committed (and checked) there
+_COMMITTED_HERE: dict[str, set[int]] = {}
 
 
 def save_training_state(
@@ -103,8 +135,9 @@ def save_training_state(
     """Write this rank's model, optimizer and RNG shards for ``step``; commit on rank 0.
 
     Collective: every rank of the job must call it. ``rl_state`` (rank 0's is kept) must be
-    JSON-serialisable. After the commit, checkpoints older than the ``keep_last`` most recent
-    are deleted. A background save still in flight (`start_async_save`) is committed first.
+    JSON-serialisable. After the commit, folders of older steps are removed but the
+    ``keep_last - 1`` newest complete ones (`_prune`; newer folders are never touched). A
+    background save still in flight (`start_async_save`) is committed first.
 
     Returns:
         The committed folder ``save_dir/step_{step:08d}``.
@@ -303,72 +336,40 @@ def _begin_save(save_dir, step, model, optimizer, rl_state, keep_last, fmt, back
     return pending
 
 
-def latest_step(load_dir: str) -> int | None:
-    """The step named by ``load_dir/latest``; the newest complete step folder if that is unusable.
-
-    Returns None when ``load_dir`` holds no complete checkpoint.
-    """
-    if not os.path.isdir(load_dir):
-        return None
-    try:
-        with open(os.path.join(load_dir, LATEST_FILE), encoding="utf-8") as handle:
-            step = int(handle.read().strip())
-        if _is_complete(load_dir, step):
-            return step
-        logger.warning("%s/latest names step %d, which is incomplete", load_dir, step)
-    except (OSError, ValueError):
-        pass
-    steps = _complete_steps(load_dir)
-    return steps[-1] if steps else None
-
-
 def load_training_state(
     load_dir: str, *, model, optimizer, step: int | None = None, fallback: bool = False
 ) -> dict | None:
-    """Load ``step`` (default: the latest) into ``model`` and ``optimizer`` in place.
+    """Load ``step`` (default: the one ``latest`` names) into ``model`` and ``optimizer`` in place.
 
     Collective. Restores this rank's RNG states too. Everything is checked on every rank before
-    anything is modified: a file whose sha256 differs from the one recorded at save, a different
-    world size or parallel layout, or a tensor whose name, shape or dtype differs from the
-    model's, raises ValueError naming the difference. ``fallback=True``: when the checkpoint's
-    files are corrupted, load the newest older checkpoint that verifies instead (logged).
+    anything is modified: the step folder's records and sizes
+    (`megatron_rl.train.checkpoint_folders.folder_problem`), each file's sha256 against its
+    record, the world size and parallel layout, and each tensor's name, shape and dtype against
+    the model's. A damaged step folder raises `CheckpointDamaged` (naming the folder, the file,
+    what is wrong, every step folder found and the flags that go on); ``fallback=True`` loads
+    the newest older step that verifies instead (logged). Another difference raises ValueError.
 
     Returns:
-        The saved ``rl_state``, or None when ``load_dir`` does not exist or holds no checkpoint.
+        The saved ``rl_state``, or None when ``load_dir`` does not exist or holds no step folder
+        and no ``latest``.
     """
     if not os.path.isdir(load_dir):
         return None
+    step = choose_step(load_dir, step, fallback=fallback)
     if step is None:
-        step = latest_step(load_dir)
-        if step is None:
-            return None
-    if not _is_complete(load_dir, step):
-        raise ValueError(
-            f"step={step}: no complete checkpoint in {load_dir}; "
-            f"available steps: {_complete_steps(load_dir)}"
-        )
-    folder = os.path.join(load_dir, step_dir_name(step))
+        return None
     rank, _ = rank_and_world_size()
+    failed: dict[int, str] = {}  # step -> why its files failed their sha256
+    while True:
+        folder = os.path.join(load_dir, step_dir_name(step))
+        corrupted = _corruption(folder, rank)
+        if not any_rank(corrupted is not None):
+            break
+        failed[step] = corrupted or "another rank's files are corrupted (see its error)"
+        step = older_step(load_dir, step, failed[step], fallback=fallback, known=failed)
     problem: str | None = None
     shards: dict[str, dict] = {}
-    corrupted = _corruption(folder, rank)
-    if any_rank(corrupted is not None):
-        older = [s for s in _complete_steps(load_dir) if s < step]
-        if fallback and older:
-            logger.error(
-                "%s; loading the previous checkpoint, step %d",
-                corrupted or f"{folder}: another rank's files are corrupted",
-                older[-1],
-            )
-            return load_training_state(
-                load_dir, model=model, optimizer=optimizer, step=older[-1], fallback=True
-            )
-        raise ValueError(
-            (corrupted or f"{folder}: another rank's files are corrupted; see its error")
-            + (f" (older complete checkpoints: steps {older})" if older else "")
-        )
-    with open(os.path.join(folder, META_FILE), encoding="utf-8") as handle:
-        meta = json.load(handle)
+    meta = read_meta(folder)
     if meta.get("format", TORCH_FORMAT) == DIST_FORMAT:
         return _load_dist(folder, meta, step, model=model, optimizer=optimizer)
     try:
@@ -428,17 +429,21 @@ def _load_dist(folder: str, meta: dict, step: int, *, model, optimizer) -> dict:
 
 
 def _commit(save_dir, staging, final, step, rl_state_text, meta, keep_last, files) -> None:
-    """rl_state + meta into the staging folder, rename it into place, then point ``latest``.
+    """rl_state + meta into the staging folder, rename it into place, check it, point ``latest``
+    at it, then prune what it supersedes (`_prune`).
 
-    A step that is already committed is kept as it is (never renamed aside: a kill between two
-    renames would lose it); only ``latest`` is pointed at it.
+    A step this process committed already is kept as it is (never renamed aside: a kill between
+    two renames would leave ``latest`` naming no folder); only ``latest`` is pointed at it. Any
+    other folder of the same step (another run's, or damaged) is renamed aside, not deleted: it
+    may be the only copy, and this run's step is not newer than it.
     """
-    if _is_complete(save_dir, step):
+    committed_here = _COMMITTED_HERE.setdefault(os.path.realpath(save_dir), set())
+    if step in committed_here and folder_problem(final) is None:
         logger.warning("step %d is already committed in %s; kept, not rewritten", step, final)
         _discard(staging, save_dir)
     else:
-        if os.path.exists(final):  # an incomplete folder: never loadable, replace it
-            _discard(final, save_dir)
+        if os.path.exists(final):
+            _set_aside(final, save_dir)
         with open(os.path.join(staging, RL_STATE_FILE), "w", encoding="utf-8") as handle:
             handle.write(rl_state_text)
             handle.flush()
@@ -451,6 +456,10 @@ def _commit(save_dir, staging, final, step, rl_state_text, meta, keep_last, file
         fsync_dir(staging)
         os.replace(staging, final)
         fsync_dir(save_dir)
+        problem = folder_problem(final)  # the records were hashed from the files as written
+        if problem is not None:
+            raise RuntimeError(f"{final} fails its check right after its commit: {problem}")
+    committed_here.add(step)
     latest = os.path.join(save_dir, LATEST_FILE)
     atomic_write_text(latest, f"{step}\n")
     fsync_file(latest)
@@ -467,18 +476,46 @@ def _discard(folder: str, save_dir: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def _set_aside(folder: str, save_dir: str) -> None:
+    """Rename a step folder this run is about to replace to ``step_XXXXXXXX.replaced_<ns>``: never
+    loaded, removed by `_prune` once this run has committed a newer step."""
+    aside = f"{folder}.replaced_{time.time_ns()}"
+    logger.warning(
+        "%s was not written by this run (%s): renamed to %s, kept until this run has saved a "
+        "newer step",
+        folder, folder_problem(folder) or "complete", os.path.basename(aside),
+    )  # fmt: skip
+    os.replace(folder, aside)
+    fsync_dir(save_dir)
+
+
 def _prune(save_dir: str, step: int, keep_last: int) -> None:
-    """Keep ``step`` and the ``keep_last - 1`` newest complete steps before it; discard every
-    older step folder and every incomplete one (they can never be loaded)."""
-    steps = _complete_steps(save_dir)
-    older = [s for s in steps if s < step]
-    keep = set(older[max(0, len(older) - (keep_last - 1)) :]) | {s for s in steps if s >= step}
-    for name in sorted(os.listdir(save_dir)):
-        if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) not in keep:
+    """Remove what ``step``, just committed and checked by this process, supersedes.
+
+    Only folders of steps older than ``step`` are removed, never a newer one, whoever wrote it:
+    nothing that may be the only copy goes before this run holds a checked step newer than it.
+    Of the older ones, the ``keep_last - 1`` newest complete step folders are kept; older
+    complete ones, damaged ones and set-aside ones are removed. Damaged folders go too: a newer
+    checked step exists, ``--load`` already stopped on them (or was told to fall back or ignore
+    them), and nothing else would ever remove them.
+    """
+    older: list[tuple[int, str]] = []
+    for name in os.listdir(save_dir):
+        match = STEP_FOLDER.fullmatch(name) or SET_ASIDE.fullmatch(name)
+        if match and int(match[1]) < step:
+            older.append((int(match[1]), name))
+    complete = sorted(
+        s
+        for s, name in older
+        if name == step_dir_name(s) and folder_problem(os.path.join(save_dir, name)) is None
+    )
+    keep = {step_dir_name(s) for s in complete[max(0, len(complete) - (keep_last - 1)) :]}
+    for _, name in sorted(older):
+        if name not in keep:
             _discard(os.path.join(save_dir, name), save_dir)
-    newer = [s for s in steps if s > step]
+    newer = [s for s in step_folders(save_dir) if s > step]
     if newer:
-        logger.warning("%s holds checkpoints newer than step %d: %s (kept)", save_dir, step, newer)
+        logger.warning("%s holds step folders newer than step %d: %s (kept)", save_dir, step, newer)
 
 
 def _remove_staging_leftovers(save_dir: str) -> None:
@@ -492,38 +529,9 @@ def _remove_staging_leftovers(save_dir: str) -> None:
                 os.unlink(path)
 
 
-def _complete_steps(folder: str) -> list[int]:
-    steps = []
-    for name in os.listdir(folder):
-        if name.startswith("step_") and name[5:].isdigit() and _is_complete(folder, int(name[5:])):
-            steps.append(int(name[5:]))
-    return sorted(steps)
-
-
-def _meta(folder: str) -> dict | None:
-    try:
-        with open(os.path.join(folder, META_FILE), encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, ValueError):
-        return None
-
-
-def _is_complete(folder: str, step: int) -> bool:
-    """``checkpoint.json`` parses and every file it lists is there with its recorded size."""
-    step_dir = os.path.join(folder, step_dir_name(step))
-    meta = _meta(step_dir)
-    if meta is None:
-        return False
-    for name, record in meta.get("files", {}).items():
-        path = os.path.join(step_dir, name)
-        if not os.path.isfile(path) or os.path.getsize(path) != record["bytes"]:
-            return False
-    return True
-
-
 def _corruption(step_dir: str, rank: int) -> str | None:
     """Why this rank's files in ``step_dir`` differ from their recorded sha256, or None."""
-    meta = _meta(step_dir) or {}
+    meta = read_meta(step_dir) or {}
     records = meta.get("files", {})
     if meta.get("format", TORCH_FORMAT) == DIST_FORMAT:  # every rank checks its share
         _, world_size = rank_and_world_size()
@@ -538,8 +546,8 @@ def _corruption(step_dir: str, rank: int) -> str | None:
         digest = _sha256(os.path.join(step_dir, name))
         if digest != records[name]["sha256"]:
             return (
-                f"{os.path.join(step_dir, name)} is corrupted: sha256 {digest[:16]}... differs "
-                f"from {records[name]['sha256'][:16]}... recorded at save"
+                f"{name} is corrupted: its sha256 {digest[:16]}... differs from "
+                f"{records[name]['sha256'][:16]}... recorded at save"
             )
     return None
 

@@ -19,7 +19,14 @@ class CheckpointConfig:
     )
     save_interval: int = option(0, help="save every this many steps (0: only at the end)")
     load_fallback: bool = option(
-        False, help="when --load's checkpoint fails its checksums, load the newest older one"
+        False,
+        help="when --load's checkpoint is damaged (a file missing, truncated or failing its "
+        "checksum; checkpoint.json lost or broken), load the newest older one that verifies",
+    )
+    load_ignore_existing: bool = option(
+        False,
+        help="start fresh although --load holds checkpoints (e.g. all of them damaged); they are "
+        "deleted only once this run has saved a newer step",
     )
     ckpt_format: str = option(
         "torch",
@@ -42,6 +49,15 @@ class CheckpointConfig:
             raise ValueError(
                 "--async-save needs --ckpt-format torch_dist (megatron dist_checkpointing's "
                 "asynchronous writer); add it or drop --async-save"
+            )
+        if self.load_ignore_existing and self.load_fallback:
+            raise ValueError(
+                "--load-ignore-existing and --load-fallback contradict each other (start fresh, "
+                "or load an older checkpoint); keep one"
+            )
+        if self.load_ignore_existing and not self.load:
+            raise bad_value(
+                self, "load_ignore_existing", "needs --load (there is nothing to ignore)"
             )
         if self.save_interval and not self.save:
             raise ValueError(

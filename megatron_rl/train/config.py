@@ -143,6 +143,12 @@ class TrainConfig:
                 f"samples, not a multiple of --global-batch-size {batch}; choose them so that "
                 "N = samples / global batch is an integer"
             )
+        world = os.environ.get("WORLD_SIZE")  # torchrun's: the layout is checked before start
+        if world:
+            try:
+                self.data_parallel_size(int(world))
+            except ValueError as err:
+                raise ValueError(f"{err} (WORLD_SIZE={world}, set by torchrun)") from None
 
     @classmethod
     def from_flags(cls, **flags) -> TrainConfig:
@@ -175,14 +181,30 @@ class TrainConfig:
         return self.samples_per_rollout // self.schedule.global_batch_size
 
     def data_parallel_size(self, world_size: int) -> int:
-        """World size / model-parallel size, with the checks megatron would fail on later."""
+        """World size / model-parallel size, with the checks megatron would fail on later.
+
+        Checked at parse time too when torchrun's ``WORLD_SIZE`` is set (`_check_across_sections`).
+        """
         p, schedule = self.parallel, self.schedule
         dense = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
-        if world_size % dense or world_size % (p.expert_parallel * p.pipeline_parallel):
-            raise ValueError(
-                f"world size {world_size} is not divisible by tensor x pipeline x context = "
-                f"{dense} or by expert x pipeline; change the parallel sizes or the rank count"
-            )
+        expert = p.expert_parallel * p.expert_tensor_parallel * p.pipeline_parallel
+        for names, size in (
+            (
+                "--tensor-model-parallel-size x --pipeline-model-parallel-size x "
+                "--context-parallel-size",
+                dense,
+            ),
+            (
+                "--expert-model-parallel-size x expert tensor parallel x "
+                "--pipeline-model-parallel-size",
+                expert,
+            ),
+        ):
+            if world_size % size:
+                raise ValueError(
+                    f"world size {world_size} is not divisible by {names} = {size}: change "
+                    "these sizes or the number of ranks (torchrun --nproc-per-node x --nnodes)"
+                )
         dp = world_size // dense
         if schedule.token_budget and schedule.global_batch_size % dp:
             raise ValueError(

@@ -49,6 +49,23 @@ being written while training goes on:
   that are views of a larger storage, at planning time. Both happen before `save_sharded`
   returns, so either way the snapshot describes the step being saved.
 
+Processes: megatron's writer starts some that a SIGKILLed trainer would leave behind (measured
+on the tiny CPU run: a kill after the first async save left a ~295 MB Manager and
+multiprocessing's resource tracker, 4 of 4 kills; a kill during a write left those, the writer
+and its 2 workers). Each of them now dies with its parent (`megatron_rl.parent_death`, Linux
+``PR_SET_PDEATHSIG``; `tests/train/test_async_save_orphans.py`):
+
+* the write-results queue (``filesystem_async._results_queue``) lives in a ``spawn``-ed
+  multiprocessing Manager that megatron creates on the first save and never stops before exit;
+  `_results_queue_dies_with_us` creates it first, the same way, with a Manager that has
+  `die_with_parent` as its initializer;
+* the writer (forked per save by ``TemporalAsyncCaller``) and its workers (forked by the writer,
+  or by the trainer itself in a synchronous save) are forked inside `forks_die_with_parent`;
+* the resource tracker (started by the Manager's spawn) exits by itself once every process
+  holding its pipe has exited.
+
+A normal exit stops the Manager (multiprocessing's exit handler) after the last save committed.
+
 RNG states are not resharded: each rank writes its own ``rng_rank*.pt``; a resume at the same
 layout restores them all, one at another layout restores torch/python/numpy states from the rank
 with the same index (modulo the saved world size) and keeps megatron's tensor-parallel RNG
@@ -59,9 +76,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
+import os
+from multiprocessing.managers import SyncManager
 
 import torch
 
+from megatron_rl.parent_death import die_with_parent, forks_die_with_parent
 from megatron_rl.train.optimizer_state import (
     _fresh_adam_state,
     _torch_optimizer,
@@ -199,19 +220,38 @@ def save_sharded(folder: str, model, optimizer, background: bool = False):
         docstring): ``folder`` is complete only after its ``finished(wait=True)``.
     """
     dist_checkpointing = _megatron_dist_checkpointing()
+    _results_queue_dies_with_us()
     _, inner_states, flat = _sharded_state(model, optimizer, is_loading=False)
     common: dict = {"param_groups": {}}
     for state in inner_states:
         part = _non_tensor_state(state)
         common["param_groups"].update(part.pop("param_groups"))
         common.update(part)
-    request = dist_checkpointing.save(
-        {"tensors": flat, _COMMON_KEY: common},
-        folder,
-        sharded_strategy=("torch_dist", 1),
-        async_sharded_save=background,
-    )
-    return BackgroundWrite(request) if background else None
+    with forks_die_with_parent():  # the writer processes (see the module docstring)
+        request = dist_checkpointing.save(
+            {"tensors": flat, _COMMON_KEY: common},
+            folder,
+            sharded_strategy=("torch_dist", 1),
+            async_sharded_save=background,
+        )
+        return BackgroundWrite(request) if background else None
+
+
+_MANAGERS: list[SyncManager] = []  # the write-results Manager, alive until this process exits
+
+
+def _results_queue_dies_with_us() -> None:
+    """Create megatron-core 0.16.1's write-results queue before megatron does (its
+    ``_get_write_results_queue``: a queue in a ``spawn`` Manager), in a Manager process that is
+    killed when this process (the thread calling this: the trainer's main thread) exits."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # created already, or another megatron version (then its own)
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    _MANAGERS.append(manager)
+    filesystem_async._results_queue = manager.Queue()
 
 
 class BackgroundWrite:

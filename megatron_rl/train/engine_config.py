@@ -56,6 +56,27 @@ class EngineConfig:
         help="seconds to wait for every SGLang server's /health before the first weight sync "
         "(servers listen only once their model is loaded)",
     )
+    sglang_reprobe_interval: float = option(
+        10.0,
+        help="seconds from a server's drop to its first background /health probe; the wait "
+        "doubles after each failed probe (up to --sglang-reprobe-max-interval); no weight sync "
+        "waits for a probe, and a server that answers rejoins after a full sync",
+    )
+    sglang_reprobe_max_interval: float = option(
+        300.0, help="the longest wait between two background probes of a dropped server"
+    )
+    sglang_liveness_interval: float | None = option(
+        30.0,
+        help="an SGLang request without a read timeout checks its server's /model_info after "
+        "every this many seconds without an answer; a server silent to both is marked down and "
+        "the request retried elsewhere (none: wait forever)",
+    )
+    weight_sync_failure_timeout: float = option(
+        30.0,
+        help="seconds a server may take on a weight sync's control calls (pause, continue, "
+        "version, sessions) before it leaves the sync and is dropped: what a stalled server "
+        "costs, once",
+    )
     weight_sync_min_gbps: float = option(
         1.0,
         help="the slowest weight push (GB/s) that is still healthy: the other ranks wait for "
@@ -78,6 +99,17 @@ class EngineConfig:
             raise bad_value(self, "sglang_startup_timeout", "must be > 0 seconds")
         if self.sglang_request_timeout is not None and not self.sglang_request_timeout > 0:
             raise bad_value(self, "sglang_request_timeout", "must be > 0 (or none)")
+        if self.sglang_liveness_interval is not None and not self.sglang_liveness_interval > 0:
+            raise bad_value(self, "sglang_liveness_interval", "must be > 0 seconds (or none)")
+        for name in ("sglang_reprobe_interval", "weight_sync_failure_timeout"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise bad_value(self, name, "must be a number of seconds > 0")
+        if not self.sglang_reprobe_max_interval >= self.sglang_reprobe_interval:
+            raise bad_value(
+                self,
+                "sglang_reprobe_max_interval",
+                f"must be >= --sglang-reprobe-interval {self.sglang_reprobe_interval}",
+            )
 
     @property
     def remote(self) -> bool:

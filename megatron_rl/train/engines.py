@@ -24,7 +24,7 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
         return InProcessEngine.from_hf_config(hf_config, engine_config, seed=seed)
     from megatron_rl.rollout.http_pool import HttpPoolConfig
     from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
-    from megatron_rl.rollout.weight_sync import WeightSyncConfig
+    from megatron_rl.rollout.weight_sync import ReprobeConfig, WeightSyncConfig
 
     sync = WeightSyncConfig(
         transport=config.weight_sync_transport,
@@ -32,16 +32,23 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
         backend="nccl" if torch.cuda.is_available() else "gloo",
         master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # trainer rank 0's node
         engine_ranks=config.sglang_engine_ranks,
+        failure_timeout_s=config.weight_sync_failure_timeout,
     )
     engine_config = SGLangEngineConfig.from_hf_config(
         hf_config,
         http=HttpPoolConfig(
-            urls=config.sglang_url, request_timeout_s=config.sglang_request_timeout
+            urls=config.sglang_url,
+            request_timeout_s=config.sglang_request_timeout,
+            liveness_interval_s=config.sglang_liveness_interval,
         ),
         routing_codec=config.routing_dtype,
         sync=sync,
         router_url=config.sglang_router_url,
         min_servers=config.sglang_min_servers,
         startup_timeout_s=config.sglang_startup_timeout,
+        reprobe=ReprobeConfig(
+            interval_s=config.sglang_reprobe_interval,
+            max_interval_s=config.sglang_reprobe_max_interval,
+        ),
     )
     return SGLangEngine(engine_config)

@@ -40,6 +40,14 @@ class RolloutConfig:
         check_positive_ints(self, "rollout_batch_size", "n_samples_per_prompt")
         check_positive_ints(self, "max_response_length")
         check_choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
+        if self.n_samples_per_prompt < 2:  # every estimator compares a prompt's samples
+            raise bad_value(
+                self,
+                "n_samples_per_prompt",
+                f"--advantage-estimator {self.advantage_estimator} measures each sample against "
+                "the other samples of its prompt, so a group of 1 has advantage 0 and nothing is "
+                "learned; pass --n-samples-per-prompt 2 or more (8 is usual)",
+            )
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise bad_value(
                 self,

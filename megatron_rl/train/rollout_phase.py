@@ -3,6 +3,23 @@
 Runs on one rank per data-parallel replica (the model-parallel source rank); the others receive
 the result by broadcast. Each replica generates only its own prompts, so each data-parallel rank
 holds only its shard of samples and routes.
+
+A sample whose reward fails (the function raised, or returned NaN, inf or no number: see
+`megatron_rl.rewards.compute_rewards`) leaves the loss (``in_loss=False``, advantage 0) and its
+group's advantages and reward metrics are taken over the group's scored samples only, so a broken
+score neither crashes the run nor drags its group's baseline. Whether a run goes on when too many
+fail, or when nothing carries a signal, is `megatron_rl.train.learning_guard`'s decision.
+
+Metrics (this replica's rollout; the trainer averages them over ranks):
+    reward/mean, reward/std, accuracy: over the scored samples (accuracy: reward > 0.5); 0 when
+        none was scored.
+    reward/failed_frac: share of samples whose reward failed.
+    rollout/zero_variance_group_frac: share of groups whose scored samples' rewards are all equal
+        (a group of at most one scored sample included).
+    rollout/learning_signal_frac: share of samples in the loss with a non-zero advantage; 0
+        means this rollout gives the policy nothing to learn from.
+    response_length/mean, response_length/max, rollout/truncated_frac, rollout/weight_version,
+    rollout/aborted: generation statistics.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ from megatron_rl.train.rollout_config import RolloutConfig
 class RolloutResult:
     samples: list[TrainSample]
     metrics: dict[str, float]
+    reward_error: str | None = None  # the first failed reward's message, None if none failed
 
 
 def run_rollout(
@@ -51,7 +69,9 @@ def run_rollout(
     answers = [records[s.prompt_index].answer for s in generated]
     scored = compute_rewards(reward_fn, responses, answers)
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-    advantages, zero_variance = group_advantages(rewards, n, config.advantage_estimator)
+    ok = ~torch.tensor(scored.failed, dtype=torch.bool)
+    advantages, zero_variance = scored_group_advantages(rewards, ok, n, config.advantage_estimator)
+    in_loss = ok & ~(zero_variance & config.filter_zero_variance_groups)
     samples = [
         TrainSample(
             prompt_ids=s.prompt_ids_P.to(torch.int64),
@@ -59,18 +79,20 @@ def run_rollout(
             rollout_logprobs=s.logprobs_R.to(torch.float32),
             advantage=float(advantages[i]),
             reward=float(rewards[i]),
-            in_loss=not (config.filter_zero_variance_groups and bool(zero_variance[i])),
+            in_loss=bool(in_loss[i]),
             routes=s.routes,
             weight_version=s.weight_version,
         )
         for i, s in enumerate(generated)
     ]
     lengths = torch.tensor([float(s.response_ids_R.numel()) for s in generated])
+    good = rewards[ok] if bool(ok.any()) else torch.zeros(1)  # no scored sample: zeros
     metrics = {
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std(unbiased=False)),
-        "accuracy": float((rewards > 0.5).float().mean()),
-        "reward/failed_frac": sum(scored.failed) / len(generated),
+        "reward/mean": float(good.mean()),
+        "reward/std": float(good.std(unbiased=False)),
+        "accuracy": float((good > 0.5).float().mean()),
+        "reward/failed_frac": scored.num_failed / len(generated),
+        "rollout/learning_signal_frac": float((in_loss & (advantages != 0)).float().mean()),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in generated)
@@ -80,7 +102,36 @@ def run_rollout(
         # samples a server aborted (abort_all, a pause in abort mode) and generated again
         "rollout/aborted": float(engine.take_aborted()),
     }
-    return RolloutResult(samples, metrics)
+    first_error = next((e for e in scored.errors if e is not None), None)
+    return RolloutResult(samples, metrics, first_error)
+
+
+def scored_group_advantages(
+    rewards_B: torch.Tensor, scored_B: torch.Tensor, group_size: int, estimator: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`group_advantages` with each group's statistics over its scored samples only.
+
+    Args:
+        rewards_B: float ``[num_groups * group_size]``, prompt-major; any value where unscored.
+        scored_B: bool ``[num_groups * group_size]``: the sample's reward was computed.
+
+    Returns:
+        ``(advantages_B, zero_variance_B)``: an unscored sample has advantage 0 and its group's
+        zero-variance flag; a group with at most one scored sample has zero variance.
+    """
+    if bool(scored_B.all()):
+        return group_advantages(rewards_B, group_size, estimator)
+    advantages_B = torch.zeros(rewards_B.shape, dtype=torch.float32)
+    zero_variance_B = torch.ones(rewards_B.shape, dtype=torch.bool)
+    for start in range(0, rewards_B.numel(), group_size):
+        rows = torch.arange(start, start + group_size)
+        kept = rows[scored_B[rows]]
+        if kept.numel() == 0:
+            continue
+        group_adv, group_zero = group_advantages(rewards_B[kept], kept.numel(), estimator)
+        advantages_B[kept] = group_adv
+        zero_variance_B[rows] = bool(group_zero[0])
+    return advantages_B, zero_variance_B
 
 
 def _decode(tokenizer, ids: list[int]) -> str:

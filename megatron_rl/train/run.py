@@ -17,15 +17,15 @@ import re
 import torch.distributed as dist
 
 from megatron_rl.train.checkpoint import (
-    META_FILE,
-    latest_step,
     load_training_state,
     save_training_state,
     start_async_save,
 )
+from megatron_rl.train.checkpoint_folders import choose_step, step_folders
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.preemption import PreemptionHandler
-from megatron_rl.train.run_logger import RunLogger, plot_learning_curve
+from megatron_rl.train.run_lock import hold_run_folders, launch_rank
+from megatron_rl.train.run_logger import RunLogger, claim_run_dir, plot_learning_curve
 from megatron_rl.train.task import Task
 from megatron_rl.train.trainer import Trainer
 
@@ -36,7 +36,9 @@ _RESOLVE = object()  # `run`'s ``load`` when the caller did not resolve ``--load
 
 
 class TrainingStopped(RuntimeError):
-    """Too many consecutive non-finite updates; the last good state was saved."""
+    """The run cannot go on: too many consecutive non-finite updates (`NonFiniteGuard`), or
+    steps without a learning signal or with a failing reward (`LearningGuard`); the last state
+    was saved (with ``--save``)."""
 
 
 def resolve_load(config: TrainConfig) -> tuple[str, int | None] | None:
@@ -44,28 +46,48 @@ def resolve_load(config: TrainConfig) -> tuple[str, int | None] | None:
 
     A missing path or one without a checkpoint is an error, unless it is the ``--save`` folder
     (auto-resume: the first run starts fresh). A step folder (``root/step_00000100``) is loaded as
-    that step of its root.
+    that step of its root. A checkpoint to load whose folder is damaged (`choose_step`: records,
+    sizes; the sha256s are checked at load) stops the run here, before anything is built, with
+    the list of step folders found and why each cannot be loaded; ``--load-fallback`` and
+    ``--load-ignore-existing`` go on (the latter starts fresh and leaves the folders to pruning,
+    which removes none before this run has saved a newer step).
     """
-    if not config.checkpoint.load:
+    ckpt = config.checkpoint
+    if not ckpt.load:
         return None
-    path = os.path.normpath(config.checkpoint.load)
-    same_as_save = config.checkpoint.save is not None and path == os.path.normpath(
-        config.checkpoint.save
-    )
+    path = os.path.normpath(ckpt.load)
+    same_as_save = ckpt.save is not None and path == os.path.normpath(ckpt.save)
     match = _STEP_FOLDER.fullmatch(os.path.basename(path))
-    if match and os.path.isfile(os.path.join(path, META_FILE)):
-        root = os.path.dirname(path) or "."
-        logger.info("--load names a step folder: loading step %s of %s", int(match[1]), root)
-        return root, int(match[1])
-    if os.path.isdir(path) and latest_step(path) is not None:
-        return path, None
+    if match and os.path.isdir(path):
+        root, step = os.path.dirname(path) or ".", int(match[1])
+        logger.info("--load names a step folder: loading step %d of %s", step, root)
+    elif os.path.isdir(path):
+        root, step = path, None
+    elif same_as_save:
+        logger.info("no checkpoint in %s yet: starting fresh", path)
+        return None
+    else:
+        raise ValueError(
+            f"--load {ckpt.load} does not exist: pass a checkpoint root (the --save folder of an "
+            "earlier run, holding step_XXXXXXXX folders) or one of its step folders, or drop --load"
+        )
+    if ckpt.load_ignore_existing:
+        found = step_folders(root)
+        logger.warning(
+            "--load-ignore-existing: starting fresh; the step folders in %s (%s) are kept until "
+            "this run has saved a newer step",
+            root, ", ".join(map(str, found)) or "none",
+        )  # fmt: skip
+        return None
+    if choose_step(root, step, fallback=ckpt.load_fallback) is not None:
+        return root, step
     if same_as_save:
         logger.info("no checkpoint in %s yet: starting fresh", path)
         return None
-    what = "does not exist" if not os.path.exists(path) else "holds no complete checkpoint"
     raise ValueError(
-        f"--load {config.checkpoint.load} {what}: pass a checkpoint root (the --save folder of an "
-        "earlier run, holding step_XXXXXXXX folders) or one of its step folders, or drop --load"
+        f"--load {ckpt.load} holds no complete checkpoint: pass a checkpoint root (the --save "
+        "folder of an earlier run, holding step_XXXXXXXX folders) or one of its step folders, or "
+        "drop --load"
     )
 
 
@@ -81,11 +103,22 @@ def run(
     ``task``: the built task (`build_task`), else the trainer builds it. ``load``: what
     `resolve_load` answered, when the caller resolved ``--load`` already (``python -m
     megatron_rl.train`` does, before megatron starts); else it is resolved here.
+
+    Global rank 0 first probes ``--save`` for writing and locks it and ``--run-dir`` for the
+    run's life (`hold_run_folders`), and refuses a fresh run into a run dir holding metrics
+    (`claim_run_dir`): `RunFolderError`, before megatron builds anything.
     """
     if load is _RESOLVE:
         load = resolve_load(config)  # a bad --load fails before anything is built
     with contextlib.ExitStack() as stack:
         preemption = stack.enter_context(PreemptionHandler())
+        if launch_rank(dist_kwargs.get("rank")) == 0:  # released after the last save commits
+            stack.enter_context(
+                hold_run_folders(save=config.checkpoint.save, run_dir=config.logging.run_dir)
+            )
+            claim_run_dir(
+                config.logging, resumed=load is not None, auto_resume=bool(config.checkpoint.load)
+            )
         trainer = Trainer(config, task=task, **dist_kwargs)
         stack.callback(trainer.close)
         saver = stack.enter_context(_Saver(trainer, config))  # commits before trainer.close
@@ -128,6 +161,9 @@ def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> 
             if trainer.nonfinite.exhausted:
                 saver.save_and_stop("non-finite updates")
                 raise TrainingStopped(trainer.nonfinite.stop_message(trainer.step_index))
+            if trainer.learning.exhausted:  # see megatron_rl/train/learning_guard.py
+                saver.save_and_stop("the run cannot learn")
+                raise TrainingStopped(trainer.learning.stop_message(trainer.step_index))
             interval = config.checkpoint.save_interval
             if interval and trainer.step_index % interval == 0:
                 saver.save()

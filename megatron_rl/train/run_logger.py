@@ -4,8 +4,11 @@ Only the main rank logs (the trainer reduces metrics over ranks first). Each `Ru
 appends one flushed JSON line ``{"step": ..., **metrics}``; values that are not finite are
 written as ``null`` and logged as a warning naming the metric, so a NaN never passes silently.
 Resuming at ``initial_step`` drops the lines logged after that checkpoint, so the file holds
-every step once. `plot_learning_curve` draws chosen metrics from the file with matplotlib's Agg
-canvas (no pyplot, no global backend change).
+every step once. Rows are never deleted otherwise: a fresh run (``initial_step`` 0) keeps an
+older file as ``metrics.jsonl.<UTC time>.bak`` (`set_aside`), and `claim_run_dir` refuses a
+fresh run into a run dir holding rows unless ``--overwrite-run-dir`` is given.
+`plot_learning_curve` draws chosen metrics from the file with matplotlib's Agg canvas (no
+pyplot, no global backend change).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 import uuid
 from typing import Any
 
@@ -24,6 +28,7 @@ import torch
 
 from megatron_rl.atomic_io import atomic_write_text
 from megatron_rl.flags import derived, option
+from megatron_rl.train.run_lock import RunFolderError
 
 logger = logging.getLogger(__name__)
 
@@ -31,13 +36,26 @@ METRICS_FILE = "metrics.jsonl"
 RUN_CONFIG_FILE = "run_config.json"
 WANDB_ID_FILE = "wandb_run_id"
 _WANDB_MODES = ("offline", "online", "disabled")
+DEFAULT_RUN_DIR = os.path.join(
+    "runs", f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
+)
+"""This process's default ``--run-dir``: ``runs/<UTC start time>-<pid>``, a new one per run."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunLoggerConfig:
     """Where metrics go. ``wandb_project=None`` or ``wandb_mode="disabled"`` turns wandb off."""
 
-    run_dir: str = option("runs/latest", help="metrics.jsonl, run_config.json, plots")
+    run_dir: str = option(
+        DEFAULT_RUN_DIR,
+        help="metrics.jsonl, run_config.json, plots (default: runs/<UTC start time>-<pid>, a "
+        "new folder per run; pass it to resume into the same folder)",
+    )
+    overwrite_run_dir: bool = option(
+        False,
+        help="let a fresh run (no checkpoint resumed) use a --run-dir whose metrics.jsonl holds "
+        "rows: the old file is kept as metrics.jsonl.<UTC time>.bak, nothing is deleted",
+    )
     total_steps: int = derived(0, source="schedule.train_iters")
     wandb_project: str | None = option(None, help="log to wandb under this project")
     wandb_mode: str = option("offline", choices=_WANDB_MODES, help="wandb mode")
@@ -207,12 +225,64 @@ def _to_number(key: str, value: Any) -> float | int:
     raise ValueError(f"metric {key!r}: {type(value).__name__} is not a number")
 
 
+def claim_run_dir(config: RunLoggerConfig, *, resumed: bool, auto_resume: bool = False) -> None:
+    """Start-up check of ``run_dir`` (global rank 0, under its lock): a fresh run into a run dir
+    whose metrics.jsonl holds rows is a `RunFolderError` naming the fixes.
+
+    ``resumed``: a checkpoint is resumed (its rows up to that step are kept, see `RunLogger`).
+    The old rows are kept aside instead (`set_aside`) with ``--overwrite-run-dir``, or when
+    ``auto_resume`` (``--load`` is the ``--save`` folder and holds nothing yet: a requeued job
+    that died before its first save cannot be given a flag).
+    """
+    path = os.path.join(config.run_dir, METRICS_FILE)
+    if resumed or not _holds_rows(path):
+        return
+    if config.overwrite_run_dir or auto_resume:
+        kept = set_aside(path)
+        why = "--overwrite-run-dir" if config.overwrite_run_dir else "nothing to resume yet"
+        logger.warning("%s: a fresh run (%s); the old rows are kept in %s", path, why, kept)
+        return
+    rows = len(read_metrics(path))
+    raise RunFolderError(
+        f"--run-dir {config.run_dir} already holds an earlier run's metrics ({rows} rows in "
+        f"{METRICS_FILE}) and this run resumes no checkpoint: pass another --run-dir, or "
+        f"--overwrite-run-dir to keep the old file as {METRICS_FILE}.<UTC time>.bak and start "
+        "anew, or --load that run's --save folder to continue it"
+    )
+
+
+def set_aside(path: str) -> str:
+    """Rename ``path`` (and the run_config.json beside it) to ``<name>.<UTC time>.bak``; returns
+    the new name of ``path``. Nothing is deleted."""
+    folder = os.path.dirname(path) or "."
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    suffix, number = stamp, 1
+    while os.path.exists(f"{path}.{suffix}.bak"):  # two fresh runs within one second
+        suffix, number = f"{stamp}-{number}", number + 1
+    kept = f"{path}.{suffix}.bak"
+    os.replace(path, kept)
+    run_config = os.path.join(folder, RUN_CONFIG_FILE)
+    if os.path.exists(run_config):  # the old rows' settings go with them
+        os.replace(run_config, f"{run_config}.{suffix}.bak")
+    return kept
+
+
+def _holds_rows(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return any(line.strip() for line in handle)
+    except FileNotFoundError:
+        return False
+
+
 def _drop_lines_after(path: str, initial_step: int) -> None:
-    """Keep the lines with 0 < ... step <= initial_step; a fresh run (0) starts an empty file."""
+    """Keep the lines with 0 < ... step <= initial_step; a fresh run (0) keeps an older file
+    aside (`set_aside`) and starts an empty one."""
     if not os.path.exists(path):
         return
     if initial_step <= 0:
-        atomic_write_text(path, "")
+        if _holds_rows(path):
+            logger.warning("%s: a fresh run; the old rows are kept in %s", path, set_aside(path))
         return
     kept = [r for r in read_metrics(path) if r["step"] <= initial_step]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))

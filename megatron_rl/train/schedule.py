@@ -32,11 +32,36 @@ class ScheduleConfig:
         "(Karmarkar-Karp, equal sample counts); the optimizer step sees the same samples",
     )
     max_bad_steps: int = option(3, help="consecutive non-finite updates before the run stops")
+    # a run that cannot learn (see megatron_rl/train/learning_guard.py)
+    max_no_signal_steps: int = option(
+        5,
+        help="consecutive steps without a learning signal before the run saves and stops with "
+        "exit status 1: every group zero-variance (counted until the run's first step with a "
+        "signal; the steps must span >= 64 prompts), or more than "
+        "--max-reward-failure-fraction of the samples failing their reward; 0: never stop",
+    )
+    max_reward_failure_fraction: float = option(
+        0.5,
+        help="share of a step's samples whose reward may fail (raise, NaN, inf, not a number) "
+        "before the step counts towards --max-no-signal-steps; failed samples leave the loss; "
+        "1: never",
+    )
 
     def __post_init__(self) -> None:
         check_positive_ints(
             self, "train_iters", "micro_batch_size", "global_batch_size", "max_bad_steps"
         )
+        steps = self.max_no_signal_steps
+        if isinstance(steps, bool) or not (isinstance(steps, int) and steps >= 0):
+            raise bad_value(
+                self, "max_no_signal_steps", "must be an integer >= 0 (0: never stop on it)"
+            )
+        if not 0.0 <= self.max_reward_failure_fraction <= 1.0:  # NaN fails too
+            raise bad_value(
+                self,
+                "max_reward_failure_fraction",
+                "must be in [0, 1] (0: any failed sample counts; 1: never stop on it)",
+            )
         budget = self.max_tokens_per_gpu
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
             budget = -1

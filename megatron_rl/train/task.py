@@ -76,6 +76,8 @@ def build_task(config: TaskConfig) -> Task:
         records = load_prompt_dataset(
             config.prompt_data,
             tokenizer,
+            prompt_key=config.prompt_key,
+            answer_key=config.answer_key,
             max_prompt_length=limit,
             prompt_too_long=config.prompt_too_long,
             limit_source=source,

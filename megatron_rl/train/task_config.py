@@ -17,6 +17,17 @@ class TaskConfig:
         "tiny", help="a preset (tiny, tiny-dense-tied, qwen3-30b-a3b, ...) or HF checkpoint"
     )
     prompt_data: str | None = option(None, help="JSONL/Parquet prompts; default: the built-in task")
+    prompt_key: str = option(
+        "prompt",
+        help="--prompt-data field holding the prompt (a string or chat messages); a dotted path "
+        "reaches a nested field (slime's --input-key)",
+    )
+    answer_key: str | None = option(
+        None,
+        help="--prompt-data field holding the reference answer passed to the reward (dotted "
+        "path; slime's --label-key); default: the first of answer, reward_model.ground_truth, "
+        "solution that a row has",
+    )
     tokenizer: str | None = option(None, help="HF tokenizer folder (default: the --model folder)")
     max_prompt_length: int | None = option(
         None,
@@ -38,5 +49,14 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check_choice(self, "prompt_too_long", PROMPT_TOO_LONG)
+        for name in ("prompt_key", "answer_key"):
+            key = getattr(self, name)
+            if key is not None and (not key.strip() or "" in key.split(".")):
+                raise bad_value(self, name, "must name a field, e.g. 'answer' or 'extra.answer'")
+        if self.prompt_data is None and (self.prompt_key != "prompt" or self.answer_key):
+            raise ValueError(
+                "--prompt-key / --answer-key name fields of --prompt-data rows; the built-in task "
+                "has none: pass --prompt-data or drop them"
+            )
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise bad_value(self, "max_prompt_length", "must be >= 1")

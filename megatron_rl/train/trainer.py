@@ -53,6 +53,7 @@ from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.engines import build_engine
+from megatron_rl.train.learning_guard import LearningGuard
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
@@ -135,6 +136,14 @@ class Trainer:
             pipeline_group=self.pp_group if self.pp > 1 else None,
         )
         self.nonfinite = NonFiniteGuard(config.schedule.max_bad_steps)
+        self.learning = LearningGuard(
+            config.schedule.max_no_signal_steps,
+            config.schedule.max_reward_failure_fraction,
+            prompts_per_step=config.rollout.rollout_batch_size,
+            reward=config.task.reward,
+            temperature=config.rollout.temperature,
+        )
+        self.reward_error: str | None = None  # the latest rollout's first failed reward, if any
         self.engine: RolloutEngine | None = None
         engine_config = config.engine
         if self.is_generator or engine_config.remote:  # remote: every rank holds a client
@@ -208,7 +217,12 @@ class Trainer:
         metrics.update(self.rollouts.step_metrics(metrics))
         metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
         self.step_index += 1
-        return mean_over_ranks(metrics)
+        reduced = mean_over_ranks(metrics)
+        self.learning.record(reduced, self.step_index)  # the same decision on every rank
+        if self.learning.reward_exhausted:  # name the first error any generator rank saw
+            errors = all_gather_objects(self.reward_error)
+            self.learning.first_error = next((e for e in errors if e is not None), None)
+        return reduced
 
     def rollout(self) -> tuple[list[TrainSample], dict[str, float]]:
         """This data-parallel rank's samples of the next prompt batch, and rollout metrics."""
@@ -246,6 +260,8 @@ class Trainer:
             seed=config.parallel.seed * 1_000_003 + rollout_index * 1009 + self.dp_rank,
             return_routes=config.replay.mode == "r3",
         )
+        if result.reward_error is not None:
+            self.reward_error = result.reward_error
         return result.samples, result.metrics
 
     def train_on(
@@ -475,6 +491,7 @@ class Trainer:
             "weight_version": self.weight_version,
             "sampler": self.rollouts.trained_sampler_state(),
             "bad_steps": self.nonfinite.consecutive,
+            "learning": self.learning.state_dict(),
             "config": _jsonable(dataclasses.asdict(self.config)),
         }
 
@@ -483,6 +500,8 @@ class Trainer:
         self.step_index = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.nonfinite.consecutive = int(state.get("bad_steps", 0))
+        # a checkpoint from before the guard: assume the run had learned (never a false stop)
+        self.learning.load_state_dict(state.get("learning", {"signal_seen": True}))
         # the engine gets the restored weights under their version
         self.sync_weights(version=int(state["weight_version"]))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -35,6 +37,16 @@ def make_engine(seed: int = 0, **config_kwargs) -> InProcessEngine:
     return InProcessEngine(
         random_hf_model(tiny_config(**overrides), seed), InProcessEngineConfig(**config_kwargs)
     )
+
+
+def wait_for(predicate, what: str, limit_s: float = 120.0, poll_s: float = 0.02) -> None:
+    """Poll ``predicate()`` until it holds; AssertionError naming ``what`` after ``limit_s``
+    (generous: a guard against a hang on a loaded machine, not a measurement)."""
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {limit_s} s")
+        time.sleep(poll_s)
 
 
 def checkpoint_tensors(model: Qwen3MoeForCausalLM, folder) -> list[tuple[str, torch.Tensor]]:

@@ -10,12 +10,19 @@ from __future__ import annotations
 import time
 
 import pytest
-from rollout_testing import PROMPTS, checkpoint_tensors, make_engine, random_hf_model, tiny_config
+from rollout_testing import (
+    PROMPTS,
+    checkpoint_tensors,
+    make_engine,
+    random_hf_model,
+    tiny_config,
+    wait_for,
+)
 
 from megatron_rl.rollout import SamplingParams
 from megatron_rl.rollout.http_pool import HttpPoolConfig, NoHealthyServerError
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
-from megatron_rl.rollout.weight_sync import WeightSyncConfig, WeightSyncError
+from megatron_rl.rollout.weight_sync import ReprobeConfig, WeightSyncConfig, WeightSyncError
 
 PARAMS = SamplingParams(max_new_tokens=2, seed=3)
 
@@ -46,8 +53,14 @@ def client_for(servers, transport="tensor", min_servers=1, **sync) -> SGLangEngi
             **sync,
         ),
         min_servers=min_servers,
+        reprobe=ReprobeConfig(interval_s=0.05, max_interval_s=0.2),
     )
     return SGLangEngine(config)
+
+
+def wait_until_ready_to_rejoin(client, url) -> None:
+    """The background prober saw ``url`` answer: the next sync takes it in."""
+    wait_for(lambda: url in client.weight_sync.reprobe.ready(), f"{url} answering its re-probe")
 
 
 def generated_on(server) -> int:
@@ -63,7 +76,9 @@ def test_a_server_down_at_startup_is_dropped_and_the_run_goes_on(servers, weight
         assert list(client.workers.dropped()) == [down.url]
         assert client.membership_metrics() == {
             "rollout/servers_up": 1.0,
+            "rollout/servers_out": 1.0,
             "rollout/servers_dropped": 1.0,
+            "rollout/servers_rejoined": 0.0,
         }
         client.update_weights(iter(weights), version=1)
         samples = client.generate(PROMPTS, PARAMS)
@@ -133,11 +148,14 @@ def test_a_dropped_server_rejoins_only_after_a_full_sync(servers, weights, trans
             return None
 
         b.before_request = fail_second_bucket  # takes part in the v2 sync, but not all of it
+        wait_until_ready_to_rejoin(client, b.url)
         client.update_weights(iter(weights), version=2)
+        assert len(buckets) >= 2  # b took part in the v2 sync
         assert list(client.workers.dropped()) == [b.url] and b.engine.weight_version != 2
         client.generate(PROMPTS, PARAMS)
         assert generated_on(b) == 0
         b.before_request = None
+        wait_until_ready_to_rejoin(client, b.url)
         client.update_weights(iter(weights), version=3)  # the full sync: b rejoins
         assert client.workers.dropped() == {} and b.engine.weight_version == 3
         assert client.last_sync.servers_up == 2 and client.last_sync.servers_rejoined == 1

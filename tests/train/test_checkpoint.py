@@ -20,7 +20,12 @@ from train_state_testing import (
 )
 
 from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
-from megatron_rl.train.checkpoint import latest_step, load_training_state, save_training_state
+from megatron_rl.train.checkpoint import (
+    CheckpointDamaged,
+    latest_step,
+    load_training_state,
+    save_training_state,
+)
 
 
 @pytest.fixture
@@ -168,13 +173,16 @@ def test_crash_before_latest_is_rewritten_resumes_from_previous_step(tmp_path, m
     assert latest_step(str(save_dir)) == 1
 
 
-def test_unreadable_latest_falls_back_to_newest_complete_step(tmp_path):
+def test_an_unreadable_latest_takes_the_newest_step_folder_damaged_or_not(tmp_path):
     save_dir = tmp_path / "ckpt"
     _save_linear(save_dir, 1, seed=1)
     _save_linear(save_dir, 2, seed=2)
     (save_dir / "latest").write_text("")  # e.g. a file system that lost the write
-    (save_dir / "step_00000009").mkdir()  # a folder without checkpoint.json is not complete
     assert latest_step(str(save_dir)) == 2
+    (save_dir / "step_00000009").mkdir()  # newer and damaged (no checkpoint.json): not skipped
+    model, optimizer = _linear(0)
+    with pytest.raises(CheckpointDamaged, match=r"step_00000009: checkpoint\.json is missing"):
+        load_training_state(str(save_dir), model=model, optimizer=optimizer)
 
 
 def test_keep_last_prunes_oldest_checkpoints_after_commit(tmp_path):
@@ -202,7 +210,11 @@ def test_a_flipped_byte_is_a_named_error_or_falls_back_to_the_previous_step(tmp_
     _save_linear(save_dir, 2, seed=2)
     _flip_a_byte(save_dir / "step_00000002" / "model_rank00000.pt")
     model, optimizer = _linear(0)
-    with pytest.raises(ValueError, match=r"model_rank00000\.pt is corrupted.*steps \[1\]"):
+    with pytest.raises(
+        CheckpointDamaged,
+        match=r"step_00000002: model_rank00000\.pt is corrupted.*step_00000001: complete.*"
+        r"--load-fallback.*--load-ignore-existing",
+    ):
         load_training_state(str(save_dir), model=model, optimizer=optimizer)
     assert load_training_state(str(save_dir), model=model, optimizer=optimizer, fallback=True) == {
         "step": 1
@@ -210,12 +222,16 @@ def test_a_flipped_byte_is_a_named_error_or_falls_back_to_the_previous_step(tmp_
     assert torch.equal(model.weight, _linear(1)[0].weight)
 
 
-def test_a_missing_shard_makes_a_step_incomplete(tmp_path):
+def test_a_missing_shard_is_a_named_error_not_a_quiet_load_of_the_previous_step(tmp_path):
     save_dir = tmp_path / "ckpt"
     _save_linear(save_dir, 1, seed=1)
     _save_linear(save_dir, 2, seed=2)
     (save_dir / "step_00000002" / "optim_rank00000.pt").unlink()
-    assert latest_step(str(save_dir)) == 1  # latest names 2, which is no longer complete
+    model, optimizer = _linear(0)
+    with pytest.raises(CheckpointDamaged, match=r"step_00000002: optim_rank00000\.pt is missing"):
+        load_training_state(str(save_dir), model=model, optimizer=optimizer)
+    state = load_training_state(str(save_dir), model=model, optimizer=optimizer, fallback=True)
+    assert state == {"step": 1}
 
 
 def test_pruning_removes_incomplete_step_folders_left_by_a_kill(tmp_path):

@@ -5,6 +5,8 @@ itself with SIGKILL right before its k-th filesystem operation (file write, fsyn
 removal); k runs over every operation of that sequence. After each kill the checkpoint root
 must load and verify (sha256) at a step no older than the last save that returned, hold no
 incomplete step folder that counts as complete, and the next save must clean every leftover.
+The children are forked from one process that imported the checkpoint code once (a fresh
+interpreter per child took over a minute each on a loaded machine).
 """
 
 from __future__ import annotations
@@ -19,18 +21,23 @@ import torch
 
 from megatron_rl.train.checkpoint import latest_step, load_training_state, save_training_state
 
+# One process imports the checkpoint code once, then forks one child per kill point (a fresh
+# copy of a process that has saved nothing); the child runs the save sequence and SIGKILLs
+# itself before its kill_at-th operation (0: never). Per child it prints "<kill_at> saved <step>"
+# after each save that returned, and the parent "<kill_at> status <code>" (-9: SIGKILL).
 CHILD = textwrap.dedent(
     """
     import os, shutil, signal, sys, torch
     from megatron_rl.train import checkpoint
 
-    save_dir, kill_at = sys.argv[1], int(sys.argv[2])
+    root, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     count = [0]
+    kill_at = [0]
 
     def before(real):
         def op(*args, **kwargs):
             count[0] += 1
-            if count[0] == kill_at:
+            if count[0] == kill_at[0]:
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*args, **kwargs)
         return op
@@ -44,7 +51,7 @@ CHILD = textwrap.dedent(
     checkpoint.fsync_file = before(checkpoint.fsync_file)
     checkpoint.atomic_write_text = before(checkpoint.atomic_write_text)
 
-    def save(step, seed):
+    def save(save_dir, step, seed):
         torch.manual_seed(seed)
         model = torch.nn.Linear(4, 3)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -53,23 +60,39 @@ CHILD = textwrap.dedent(
         checkpoint.save_training_state(
             save_dir, step, model=model, optimizer=optimizer, rl_state={"step": step}, keep_last=2
         )
-        print("saved", step, flush=True)
+        print(kill_at[0], "saved", step, flush=True)
 
-    for step, seed in ((1, 1), (2, 2), (3, 3), (3, 33), (4, 4)):
-        save(step, seed)
-    print("ops", count[0], flush=True)
+    warm = torch.nn.Linear(4, 3)  # the first AdamW step imports lazily (1.5 s): once, here
+    torch.optim.AdamW(warm.parameters(), lr=0.1).step()
+    for k in range(first, last + 1):
+        pid = os.fork()
+        if pid == 0:
+            kill_at[0] = k
+            for step, seed in ((1, 1), (2, 2), (3, 3), (3, 33), (4, 4)):
+                save(os.path.join(root, f"kill_{k}"), step, seed)
+            print(k, "ops", count[0], flush=True)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(k, "status", os.waitstatus_to_exitcode(status), flush=True)
     """
 )
 
 
-def _run_child(save_dir, kill_at: int) -> tuple[int, list[str]]:
+def _run_children(root, first: int, last: int) -> dict[int, list[list[str]]]:
+    """{kill_at: its output lines, split} for kill points ``first..last``."""
     result = subprocess.run(
-        [sys.executable, "-c", CHILD, str(save_dir), str(kill_at)],
+        [sys.executable, "-c", CHILD, str(root), str(first), str(last)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=3600,  # a hang guard only: one import, then forks (seconds on an idle machine)
     )
-    return result.returncode, result.stdout.split("\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines: dict[int, list[list[str]]] = {}
+    for line in result.stdout.splitlines():
+        words = line.split()
+        if len(words) == 3 and words[0].isdigit():
+            lines.setdefault(int(words[0]), []).append(words[1:])
+    return lines
 
 
 def _linear():
@@ -79,14 +102,15 @@ def _linear():
 
 @pytest.mark.slow
 def test_sigkill_at_every_filesystem_step_loses_no_committed_checkpoint(tmp_path):
-    code, out = _run_child(tmp_path / "count", kill_at=0)
-    assert code == 0, out
-    total = int(next(line for line in out if line.startswith("ops")).split()[1])
+    counted = _run_children(tmp_path / "count", 0, 0)[0]
+    assert ["status", "0"] in counted, counted
+    total = int(next(value for word, value in counted if word == "ops"))
+    children = _run_children(tmp_path, 1, total)
     for kill_at in range(1, total + 1):
         save_dir = tmp_path / f"kill_{kill_at}"
-        code, out = _run_child(save_dir, kill_at)
-        assert code == -9, (kill_at, code, out)  # it really died by SIGKILL
-        returned = [int(line.split()[1]) for line in out if line.startswith("saved")]
+        out = children[kill_at]
+        assert ["status", "-9"] in out, (kill_at, out)  # it really died by SIGKILL
+        returned = [int(value) for word, value in out if word == "saved"]
         if not save_dir.exists() or latest_step(str(save_dir)) is None:
             assert not returned, (kill_at, "a committed step was lost")
             continue

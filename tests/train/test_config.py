@@ -260,3 +260,68 @@ def test_every_command_line_in_the_readme_and_docs_parses():
             parse_args(flags)
         except (SystemExit, ValueError) as err:
             pytest.fail(f"{where}: {' '.join(flags)} does not parse: {err!r}")
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--n-samples-per-prompt", "1"], "--n-samples-per-prompt=1: --advantage-estimator grpo"),
+        (
+            ["--n-samples-per-prompt", "1", "--advantage-estimator", "drgrpo"],
+            "pass --n-samples-per-prompt 2 or more",
+        ),
+        (["--clip-grad", "-1"], "--clip-grad=-1.0: must be a finite number >= 0"),
+        (["--clip-grad", "nan"], "--clip-grad=nan"),
+        (["--adam-beta1", "1"], "--adam-beta1=1.0: must be in [0, 1)"),
+        (["--adam-beta2", "-0.1"], "--adam-beta2=-0.1: must be in [0, 1)"),
+        (["--adam-eps", "0"], "--adam-eps=0.0: must be a finite number > 0"),
+        (["--weight-decay", "-0.01"], "--weight-decay=-0.01: must be a finite number >= 0"),
+        (["--weight-decay", "inf"], "--weight-decay=inf"),
+        (["--max-no-signal-steps", "-1"], "--max-no-signal-steps=-1: must be an integer >= 0"),
+        (["--max-reward-failure-fraction", "1.5"], "--max-reward-failure-fraction=1.5"),
+        (["--max-reward-failure-fraction", "nan"], "--max-reward-failure-fraction=nan"),
+        (["--answer-key", "label"], "--prompt-key / --answer-key name fields of --prompt-data"),
+        (["--prompt-data", "d.jsonl", "--answer-key", "a..b"], "--answer-key='a..b'"),
+    ],
+)
+def test_every_value_is_checked_at_parse_time_naming_its_flag(argv, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        parse_args(argv)
+
+
+def test_clip_grad_zero_turns_clipping_off_and_the_learning_guard_can_be_turned_off():
+    config = parse_args(["--clip-grad", "0", "--max-no-signal-steps", "0"])
+    assert config.optimizer.clip_grad == 0.0 and config.schedule.max_no_signal_steps == 0
+
+
+@pytest.mark.parametrize(
+    "world, argv, match",
+    [
+        ("3", ["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size x "),
+        ("4", ["--expert-model-parallel-size", "8"], "--expert-model-parallel-size x "),
+        (
+            "3",
+            [
+                *("--rollout-batch-size", "16", "--n-samples-per-prompt", "3"),
+                *("--global-batch-size", "48", "--micro-batch-size", "16"),
+            ],
+            "--rollout-batch-size 16 prompts do not split over 3",
+        ),
+        ("3", [], "(WORLD_SIZE=3, set by torchrun)"),
+    ],
+)
+def test_parallel_sizes_are_checked_against_torchruns_world_size_at_parse_time(
+    monkeypatch, world, argv, match
+):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        parse_args(argv)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert parse_args(["--global-batch-size", "64", "--micro-batch-size", "32"]) is not None
+
+
+def test_the_cli_refuses_a_bad_world_layout_in_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert main(["--tensor-model-parallel-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "world size 6 is not divisible by --tensor-model-parallel-size" in err

@@ -41,8 +41,8 @@ def test_token_budget_lifts_the_micro_batch_divisibility_rules():
 def test_token_budget_still_needs_the_global_batch_to_split_over_ranks():
     config = TrainConfig.from_flags(
         global_batch_size=6,
-        rollout_batch_size=12,
-        n_samples_per_prompt=1,
+        rollout_batch_size=6,
+        n_samples_per_prompt=2,
         micro_batch_size=1,
         max_tokens_per_gpu=512,
     )

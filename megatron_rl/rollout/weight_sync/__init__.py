@@ -1,8 +1,8 @@
 """Push trainer weights to SGLang servers: three transports, bucketed, versioned, checked.
 
 Modules: `common` (config, report, error), `sync` (`WeightSync`: one sync and its membership),
-`staging` (the buffers buckets are packed into), one per transport: `distributed`, `tensor`,
-`disk`.
+`reprobe` (dropped servers probed in the background), `staging` (the buffers buckets are packed
+into), one per transport: `distributed`, `tensor`, `disk`.
 
 One sync (`sync_weights`) on the trainer's global rank 0, fed by
 `megatron_rl.model.conversion.iter_hf_tensors` (collective: the other ranks iterate it too and
@@ -27,7 +27,8 @@ drop the tensors):
 4. ``/continue_generation``, whatever happened.
 
 Server membership (see `WeightSync`): a server that dies or fails any step leaves the sync and
-is dropped from the pool; the others go on. A dropped server that is healthy again takes part
+is dropped from the pool; the others go on. A dropped server is probed in the background on an
+exponential backoff (`reprobe`; no sync waits for a probe); once a probe answers it takes part
 in the next sync and rejoins the pool only once it has it all. ``distributed``: the group is
 destroyed at once and rebuilt without the failed member, within ``failure_timeout_s``.
 `WeightSyncError` only when fewer than ``min_servers`` servers are left.
@@ -45,6 +46,7 @@ from megatron_rl.rollout.weight_sync.common import (
     WeightSyncError,
 )
 from megatron_rl.rollout.weight_sync.distributed import FIRST_BUCKET_BYTES
+from megatron_rl.rollout.weight_sync.reprobe import ReprobeConfig
 from megatron_rl.rollout.weight_sync.staging import (
     SHM_ATTEMPTS,
     SHM_MANAGER_TIMEOUT,
@@ -57,6 +59,7 @@ __all__ = [
     "SHM_ATTEMPTS",
     "SHM_MANAGER_TIMEOUT",
     "TRANSPORTS",
+    "ReprobeConfig",
     "SyncReport",
     "WeightSync",
     "WeightSyncConfig",

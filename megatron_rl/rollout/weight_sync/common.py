@@ -71,6 +71,7 @@ class SyncReport:
     seconds: float = 0.0
     checksums_compared: int = 0
     servers_up: int = 0  # pool members after the sync
+    servers_out: int = 0  # servers out of the pool (dropped, not yet rejoined) after the sync
     servers_dropped: int = 0  # servers dropped by syncs so far
     servers_rejoined: int = 0  # dropped servers admitted again after a full sync so far
 

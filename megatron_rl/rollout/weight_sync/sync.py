@@ -23,6 +23,7 @@ from megatron_rl.rollout.weight_sync.common import (
 )
 from megatron_rl.rollout.weight_sync.disk import DiskTransport
 from megatron_rl.rollout.weight_sync.distributed import DistributedTransport
+from megatron_rl.rollout.weight_sync.reprobe import ReprobeConfig, Reprober
 from megatron_rl.rollout.weight_sync.tensor import TensorTransport
 
 logger = logging.getLogger(__name__)
@@ -37,19 +38,30 @@ TRANSPORT_CLASSES = {
 class WeightSync:
     """Trainer side of weight sync to the servers behind ``pool`` (an `HttpPool`).
 
-    Membership: every sync goes to the pool's members plus the dropped servers that answer
-    ``/health`` again. A server that fails any step (dead, HTTP error, wrong version, checksum)
-    leaves this sync and, once the sync succeeded on the others, is dropped from the pool
-    (`HttpPool.drop`: no generation, no later sync until it is healthy again); a dropped server
+    Membership: every sync goes to the pool's members plus the dropped servers that answered
+    their last background ``/health`` probe (`Reprober`: the sync never waits for a probe, so a
+    stalled server costs no step any time). A server that fails any step (dead, HTTP error,
+    wrong version, checksum, no answer to a control call within ``failure_timeout_s``) leaves
+    this sync and, once the sync succeeded on the others, is dropped from the pool
+    (`HttpPool.drop`: no generation, no later sync until a probe answers again); a dropped server
     that received the whole sync is admitted back (`HttpPool.admit`), so it never serves stale
-    weights. The sync fails with `WeightSyncError` only when fewer than ``min_servers`` servers
-    are left in it (or on a failure of the trainer's own side); membership then stays as it was.
+    weights. One warning per change of membership (`_report_membership`), not per sync. The
+    sync fails with `WeightSyncError` only when fewer than ``min_servers`` servers are left in
+    it (or on a failure of the trainer's own side); membership then stays as it was.
 
     ``transport`` (chosen by ``config.transport``, `TRANSPORT_CLASSES`) sends the tensors; it
     uses ``urls``, ``phase``, ``fail``, ``require`` and ``threads`` of this sync.
     """
 
-    def __init__(self, pool, config: WeightSyncConfig, hf_config=None, *, min_servers: int = 1):
+    def __init__(
+        self,
+        pool,
+        config: WeightSyncConfig,
+        hf_config=None,
+        *,
+        min_servers: int = 1,
+        reprobe: ReprobeConfig | None = None,
+    ):
         if not isinstance(min_servers, int) or min_servers < 1:
             raise ValueError(f"min_servers={min_servers!r}: must be an int >= 1")
         self.pool = pool
@@ -64,6 +76,8 @@ class WeightSync:
         self.transport = TRANSPORT_CLASSES[config.transport](self)
         self.dropped_total = 0  # servers dropped by syncs so far (a metric)
         self.rejoined_total = 0  # dropped servers admitted again after a full sync
+        self.reprobe = Reprober(pool.probe, reprobe or ReprobeConfig())
+        self._reported_out: frozenset[str] = frozenset()  # membership last warned about
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -106,7 +120,11 @@ class WeightSync:
         self._collect(urls, futures, what)
 
     def versions(self) -> dict[str, object]:
-        return {u: self.pool.model_info(u).get("weight_version") for u in self.pool.members()}
+        timeout = self.config.failure_timeout_s
+        return {
+            u: self.pool.model_info(u, timeout_s=timeout).get("weight_version")
+            for u in self.pool.members()
+        }
 
     def _begin_sessions(self) -> list[str]:
         """``/begin_weight_update`` on every live server (transports that need a session;
@@ -143,7 +161,9 @@ class WeightSync:
         stream = self._account(named_tensors, report, sums if self.config.checksum else None)
         members = self.pool.members()
         dropped = list(self.pool.dropped())
-        rejoining = self.pool.probe_all(dropped) if dropped else []  # healthy again: full sync
+        for url in dropped:  # idempotent: each dropped server has its background prober
+            self.reprobe.watch(url)
+        rejoining = [u for u in self.reprobe.ready() if u in dropped]  # answered: a full sync
         self._version = version
         self._live = [u for u in self.pool.config.urls if u in members or u in rejoining]
         self._failed = {}
@@ -174,24 +194,20 @@ class WeightSync:
                 f"{type(err).__name__}: {err}"
             ) from err
         finally:
-            futures = [
-                self.threads.submit(
-                    self.pool.call_on, u, "POST", "/continue_generation", {}, timeout_s=control
-                )
-                for u in paused
-            ]
-            wait(futures, timeout=control + self.pool.config.connect_timeout_s)
-            for url, future in zip(paused, futures, strict=True):
-                why = call_failure(future) if future.done() else "no answer"
-                if why is not None and url not in self._failed:
-                    logger.error("continue_generation failed on %s: %s", url, why)
+            self._continue(paused, control)
         for url, why in self._failed.items():
             if url in members and self.pool.drop(url, f"weight sync v{version}: {why}"):
                 self.dropped_total += 1
+                self.reprobe.watch(url)
         for url in rejoining:
             if url in self._live and self.pool.admit(url):
                 self.rejoined_total += 1
+                self.reprobe.forget(url)
+            elif url not in self._live:
+                self.reprobe.retry(url)
+        self._report_membership()
         report.servers_up = len(self.pool.members())
+        report.servers_out = len(self.pool.dropped())
         report.servers_dropped = self.dropped_total
         report.servers_rejoined = self.rejoined_total
         report.seconds = time.perf_counter() - start
@@ -206,6 +222,46 @@ class WeightSync:
             len(self.pool.config.urls),
         )
         return report
+
+    def _continue(self, paused: list[str], timeout_s: float) -> None:
+        """``/continue_generation`` on every server this sync paused. A server that left the
+        sync gets it too (its pause may have landed) but is not waited for: it may be the one
+        that stalls, and a stalled server must cost this sync nothing more."""
+        futures = {
+            u: self.threads.submit(
+                self.pool.call_on, u, "POST", "/continue_generation", {}, timeout_s=timeout_s
+            )
+            for u in paused
+        }
+        waited = [u for u in paused if u not in self._failed]
+        wait([futures[u] for u in waited], timeout=timeout_s + self.pool.config.connect_timeout_s)
+        for url in waited:
+            future = futures[url]
+            why = call_failure(future) if future.done() else "no answer"
+            if why is not None:
+                logger.error("continue_generation failed on %s: %s", url, why)
+
+    def _report_membership(self) -> None:
+        """A warning when the pool's membership changed since the last one, else nothing."""
+        out = self.pool.dropped()
+        if frozenset(out) == self._reported_out:
+            return
+        self._reported_out = frozenset(out)
+        total = len(self.pool.config.urls)
+        if not out:
+            logger.warning("all %d rollout servers are in the pool again", total)
+            return
+        reprobe = self.reprobe.config
+        logger.warning(
+            "%d of %d rollout servers out of the pool (%s); each is probed in the background "
+            "(/health, first after %.0f s, the wait doubling up to %.0f s) and rejoins after a "
+            "full weight sync",
+            len(out),
+            total,
+            "; ".join(f"{u}: {why}" for u, why in sorted(out.items())),
+            reprobe.interval_s,
+            reprobe.max_interval_s,
+        )
 
     def _each(self, fn, what: str) -> None:
         """``fn(url)`` on every live server at once; failures leave the sync."""
@@ -271,5 +327,6 @@ class WeightSync:
         self.require()
 
     def close(self) -> None:
+        self.reprobe.close()
         self.transport.close()
         self.threads.shutdown(wait=False)
