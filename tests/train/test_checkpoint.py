@@ -14,6 +14,7 @@ from train_state_testing import (
     adam_state,
     build_tiny,
     expert_parallel_worker,
+    linear_with_adam_state,
     same_tensors,
     train_steps,
     weights,
@@ -33,18 +34,8 @@ def ws1_seed() -> int:
     return 7
 
 
-def _linear(seed: int):
-    """A plain torch model and AdamW with state: the checkpoint logic without megatron."""
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def _save_linear(save_dir, step, seed, **kwargs) -> str:
-    model, optimizer = _linear(seed)
+    model, optimizer = linear_with_adam_state(seed)
     return save_training_state(
         str(save_dir), step, model=model, optimizer=optimizer, rl_state={"step": step}, **kwargs
     )
@@ -124,7 +115,7 @@ def test_other_world_size_raises_naming_it(ws1, tmp_path):
 
 
 def test_missing_or_empty_dir_returns_none(tmp_path):
-    model, optimizer = _linear(0)
+    model, optimizer = linear_with_adam_state(0)
     assert load_training_state(str(tmp_path / "nope"), model=model, optimizer=optimizer) is None
     assert load_training_state(str(tmp_path), model=model, optimizer=optimizer) is None
     assert latest_step(str(tmp_path)) is None
@@ -149,8 +140,8 @@ def test_crash_while_writing_optimizer_keeps_previous_checkpoint(tmp_path, monke
     assert latest_step(str(save_dir)) == 1
     assert not (save_dir / "step_00000002").exists()
     assert (save_dir / ".tmp_step_00000002").is_dir()  # the half-written shard stays until...
-    expected, _ = _linear(1)
-    model, optimizer = _linear(3)
+    expected, _ = linear_with_adam_state(1)
+    model, optimizer = linear_with_adam_state(3)
     assert load_training_state(str(save_dir), model=model, optimizer=optimizer) == {"step": 1}
     assert torch.equal(model.weight, expected.weight)
     _save_linear(save_dir, 2, seed=2)  # ...the next save cleans it
@@ -180,7 +171,7 @@ def test_an_unreadable_latest_takes_the_newest_step_folder_damaged_or_not(tmp_pa
     (save_dir / "latest").write_text("")  # e.g. a file system that lost the write
     assert latest_step(str(save_dir)) == 2
     (save_dir / "step_00000009").mkdir()  # newer and damaged (no checkpoint.json): not skipped
-    model, optimizer = _linear(0)
+    model, optimizer = linear_with_adam_state(0)
     with pytest.raises(CheckpointDamaged, match=r"step_00000009: checkpoint\.json is missing"):
         load_training_state(str(save_dir), model=model, optimizer=optimizer)
 
@@ -193,9 +184,9 @@ def test_keep_last_prunes_oldest_checkpoints_after_commit(tmp_path):
     assert latest_step(str(save_dir)) == 40
     _save_linear(save_dir, 40, seed=41, keep_last=1)  # a committed step is never rewritten
     assert sorted(os.listdir(save_dir)) == ["latest", "step_00000040"]
-    model, optimizer = _linear(0)
+    model, optimizer = linear_with_adam_state(0)
     load_training_state(str(save_dir), model=model, optimizer=optimizer)
-    assert torch.equal(model.weight, _linear(40)[0].weight)
+    assert torch.equal(model.weight, linear_with_adam_state(40)[0].weight)
 
 
 def _flip_a_byte(path) -> None:
@@ -209,7 +200,7 @@ def test_a_flipped_byte_is_a_named_error_or_falls_back_to_the_previous_step(tmp_
     _save_linear(save_dir, 1, seed=1)
     _save_linear(save_dir, 2, seed=2)
     _flip_a_byte(save_dir / "step_00000002" / "model_rank00000.pt")
-    model, optimizer = _linear(0)
+    model, optimizer = linear_with_adam_state(0)
     with pytest.raises(
         CheckpointDamaged,
         match=r"step_00000002: model_rank00000\.pt is corrupted.*step_00000001: complete.*"
@@ -219,7 +210,7 @@ def test_a_flipped_byte_is_a_named_error_or_falls_back_to_the_previous_step(tmp_
     assert load_training_state(str(save_dir), model=model, optimizer=optimizer, fallback=True) == {
         "step": 1
     }
-    assert torch.equal(model.weight, _linear(1)[0].weight)
+    assert torch.equal(model.weight, linear_with_adam_state(1)[0].weight)
 
 
 def test_a_missing_shard_is_a_named_error_not_a_quiet_load_of_the_previous_step(tmp_path):
@@ -227,7 +218,7 @@ def test_a_missing_shard_is_a_named_error_not_a_quiet_load_of_the_previous_step(
     _save_linear(save_dir, 1, seed=1)
     _save_linear(save_dir, 2, seed=2)
     (save_dir / "step_00000002" / "optim_rank00000.pt").unlink()
-    model, optimizer = _linear(0)
+    model, optimizer = linear_with_adam_state(0)
     with pytest.raises(CheckpointDamaged, match=r"step_00000002: optim_rank00000\.pt is missing"):
         load_training_state(str(save_dir), model=model, optimizer=optimizer)
     state = load_training_state(str(save_dir), model=model, optimizer=optimizer, fallback=True)
@@ -244,7 +235,7 @@ def test_pruning_removes_incomplete_step_folders_left_by_a_kill(tmp_path):
 
 
 def test_bad_arguments_raise_before_writing(tmp_path):
-    model, optimizer = _linear(0)
+    model, optimizer = linear_with_adam_state(0)
     with pytest.raises(ValueError, match="rl_state is not JSON-serialisable"):
         save_training_state(
             str(tmp_path), 1, model=model, optimizer=optimizer, rl_state={"t": torch.ones(1)}

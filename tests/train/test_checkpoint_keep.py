@@ -14,22 +14,14 @@ import shutil
 
 import pytest
 import torch
+from train_state_testing import linear_with_adam_state
 
 from megatron_rl.train.checkpoint import load_training_state, save_training_state
 from megatron_rl.train.checkpoint_folders import folder_problem
 
 
-def _linear(seed: int):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 def _save_linear(save_dir, step: int, seed: int, keep_last: int = 2) -> None:
-    model, optimizer = _linear(seed)
+    model, optimizer = linear_with_adam_state(seed)
     save_training_state(
         str(save_dir), step, model=model, optimizer=optimizer, rl_state={"step": step},
         keep_last=keep_last,
@@ -122,9 +114,9 @@ def test_a_same_step_folder_this_run_did_not_write_is_set_aside_until_a_newer_st
     _save_linear(root, 2, seed=20, keep_last=2)
     aside = [name for name in os.listdir(root) if name.startswith("step_00000002.replaced_")]
     assert len(aside) == 1 and _files(root / aside[0]) == theirs
-    model, optimizer = _linear(0)
+    model, optimizer = linear_with_adam_state(0)
     assert load_training_state(str(root), model=model, optimizer=optimizer) == {"step": 2}
-    assert torch.equal(model.weight, _linear(20)[0].weight)  # this run's step 2
+    assert torch.equal(model.weight, linear_with_adam_state(20)[0].weight)  # this run's step 2
 
     _save_linear(root, 3, seed=30, keep_last=2)  # a newer step of its own: now it goes
     assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000003"]
@@ -148,7 +140,7 @@ def test_a_save_killed_between_setting_aside_and_its_rename_loses_nothing(tmp_pa
     monkeypatch.undo()
     aside = next(name for name in os.listdir(root) if name.startswith("step_00000002.replaced_"))
     assert _files(root / aside) == theirs
-    model, optimizer = _linear(0)
+    model, optimizer = linear_with_adam_state(0)
     with pytest.raises(CheckpointDamaged, match=rf"folder is missing.*{aside}: set aside"):
         load_training_state(str(root), model=model, optimizer=optimizer)
     assert load_training_state(str(root), model=model, optimizer=optimizer, fallback=True) == {

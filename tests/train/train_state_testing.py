@@ -16,6 +16,16 @@ SEQ_LEN = 9
 BATCH = 2
 
 
+def linear_with_adam_state(seed: int):
+    """A plain torch model and AdamW with state: the checkpoint logic without megatron."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
 def build_tiny(seed: int, clip_grad: float = 1.0):
     """(hf_config, DDP-wrapped tiny megatron model, megatron optimizer); groups initialised."""
     from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
