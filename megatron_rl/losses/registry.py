@@ -25,10 +25,16 @@ from megatron_rl.losses.layout import PaddedInputs
 
 @dataclass(slots=True)
 class LossTerms:
-    """What a loss function returns: ``[B, T]`` per-token loss and its own (unprefixed) metrics."""
+    """What a loss function returns: ``[B, T]`` per-token loss and its own (unprefixed) metrics.
+
+    ``clipped_BT``: a clipping loss's bool ``[B, T]`` map of the tokens whose gradient its clip
+    removed (either side); `compute_policy_loss` turns it into the position-wise clipping metrics.
+    None for a loss that does not clip.
+    """
 
     per_token_loss_BT: torch.Tensor
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    clipped_BT: torch.Tensor | None = None
 
 
 LossFn = Callable[[PaddedInputs, Any], LossTerms]

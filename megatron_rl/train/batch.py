@@ -29,6 +29,7 @@ class TrainSample:
     in_loss: bool  # False for zero-variance groups when they are filtered
     routes: RoutingBlob | None = None  # R3: [P + R - 1, L, K]
     weight_version: int | None = None  # the engine's weight version that generated it
+    truncated: bool = False  # the response was cut at the length limit
 
     @property
     def length(self) -> int:

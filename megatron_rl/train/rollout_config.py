@@ -25,6 +25,28 @@ class RolloutConfig:
     filter_zero_variance_groups: bool = option(
         False, help="mask groups whose rewards are all equal out of the loss"
     )
+    dynamic_sampling: bool = option(
+        False,
+        help="drop groups whose rewards are all equal and refill the batch with further prompts "
+        "until it holds --rollout-batch-size groups with signal (DAPO's dynamic sampling; see "
+        "megatron_rl/train/dynamic_sampling.py)",
+    )
+    over_sampling_ratio: float = option(
+        0.0,
+        help="with --dynamic-sampling: draw ceil((1 + ratio) x --rollout-batch-size) prompts in "
+        "the first round (EPIC's protocol: 0.1)",
+    )
+    dynamic_sampling_max_rounds: int = option(
+        3,
+        help="with --dynamic-sampling: extra rounds of prompts at most; then the batch is "
+        "completed with dropped groups masked out of the loss (metric "
+        "dynamic_sampling/short_groups)",
+    )
+    drop_overlong_groups: bool = option(
+        False,
+        help="with --dynamic-sampling: also drop a group with a response cut at "
+        "--max-response-length",
+    )
     async_rollout: bool = option(
         False,
         help="one-step-off-policy: generate rollout k+1 in the background while step k trains "
@@ -67,6 +89,24 @@ class RolloutConfig:
                 "with --async-rollout one batch is in flight, so its samples are 1 version "
                 "behind)",
             )
+        if not (math.isfinite(self.over_sampling_ratio) and self.over_sampling_ratio >= 0):
+            raise bad_value(self, "over_sampling_ratio", "must be a finite number >= 0 (0.1: 10%)")
+        if not (
+            isinstance(self.dynamic_sampling_max_rounds, int)
+            and self.dynamic_sampling_max_rounds >= 0
+        ):
+            raise bad_value(self, "dynamic_sampling_max_rounds", "must be an integer >= 0")
+        refill = {
+            "over_sampling_ratio": self.over_sampling_ratio != 0.0,
+            "drop_overlong_groups": self.drop_overlong_groups,
+        }
+        for name, given in refill.items():
+            if given and not self.dynamic_sampling:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} drops or over-draws groups for --dynamic-sampling; add "
+                    f"--dynamic-sampling or drop {flag} ({type(self).__name__}.{name})"
+                )
         if self.max_staleness != 1 and not self.async_rollout:
             raise ValueError(
                 f"--max-staleness {self.max_staleness} without --async-rollout: synchronous "

@@ -82,6 +82,7 @@ def run_rollout(
             in_loss=bool(in_loss[i]),
             routes=s.routes,
             weight_version=s.weight_version,
+            truncated=s.finish_reason == "length",
         )
         for i, s in enumerate(generated)
     ]

@@ -52,6 +52,7 @@ from megatron_rl.train.async_rollout import AsyncRollouts
 from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
 from megatron_rl.train.engines import build_engine
 from megatron_rl.train.learning_guard import LearningGuard
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
@@ -161,6 +162,7 @@ class Trainer:
         self.step_index = 0
         self.weight_version = 0
         self.rollouts = self._rollout_source()
+        self.dynamic_sampling = self._dynamic_sampling()
         self.trained_prompts: list[int] = []  # this rank's prompts of the last step
         # remote: the other ranks wait for rank 0's push (see train/sync_wait.py)
         self.sync_wait = None
@@ -196,6 +198,8 @@ class Trainer:
         """
         start = time.perf_counter()
         batch = self.rollouts.take(self.step_index, self.weight_version)
+        if self.dynamic_sampling is not None:  # drop groups without signal, refill the batch
+            batch = self.dynamic_sampling.fill(batch)
         if should_stop is not None and should_stop():
             self.sampler.load_state_dict(batch.sampler_before)
             return None
@@ -241,23 +245,54 @@ class Trainer:
             return AsyncRollouts(hooks, max_staleness=self.config.rollout.max_staleness)
         return SyncRollouts(hooks)
 
-    def _draw_prompts(self) -> list[int]:
-        """This data-parallel rank's share of the next ``rollout_batch_size`` prompts."""
-        indices = self.sampler.next_batch(self.config.rollout.rollout_batch_size)
-        per_rank = self.config.rollout.rollout_batch_size // self.dp
+    def _dynamic_sampling(self) -> DynamicSampling | None:
+        """The refill of ``--dynamic-sampling`` (`megatron_rl.train.dynamic_sampling`), or None."""
+        rollout = self.config.rollout
+        if not rollout.dynamic_sampling:
+            return None
+        share = functools.partial(broadcast_object, src=self.mp_src, group=self.mp_group)
+
+        def generate(prompts: list[int], round_index: int):
+            index = self.step_index
+            return share(self._generate(prompts, index, round_index) if self.is_generator else None)
+
+        return DynamicSampling(
+            batch_groups=rollout.rollout_batch_size,
+            group_size=rollout.n_samples_per_prompt,
+            ratio=rollout.over_sampling_ratio,
+            max_rounds=rollout.dynamic_sampling_max_rounds,
+            drop_overlong=rollout.drop_overlong_groups,
+            dp=self.dp,
+            dp_rank=self.dp_rank,
+            dp_group=self.dp_group if self.dp > 1 else None,
+            draw=self._draw_prompts,
+            generate=generate,
+        )
+
+    def _draw_prompts(self, count: int | None = None) -> list[int]:
+        """This data-parallel rank's share of the next ``count`` prompts (default: a rollout's,
+        ``rollout_batch_size``, or its over-sampled first draw with ``--dynamic-sampling``)."""
+        if count is None:
+            rollout = self.config.rollout
+            count = rollout.rollout_batch_size
+            if rollout.dynamic_sampling:
+                count = first_draw(count, rollout.over_sampling_ratio, self.dp)
+        indices = self.sampler.next_batch(count)
+        per_rank = count // self.dp
         return indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
-    def _generate(self, mine: list[int], rollout_index: int):
+    def _generate(self, mine: list[int], rollout_index: int, round_index: int = 0):
         """Generator rank: ``(samples, metrics)`` of prompts ``mine`` for rollout ``rollout_index``
-        (its sampling seed)."""
+        and its refill round ``round_index`` (together, its sampling seed)."""
         config = self.config
+        seed = config.parallel.seed * 1_000_003 + rollout_index * 1009 + self.dp_rank
         result = run_rollout(
             self.engine,
             [self.records[i] for i in mine],
             self.tokenizer,
             self.reward_fn,
             self.rollout_config,
-            seed=config.parallel.seed * 1_000_003 + rollout_index * 1009 + self.dp_rank,
+            seed=seed + round_index * 7_919,
             return_routes=config.replay.mode == "r3",
         )
         if result.reward_error is not None:
