@@ -126,6 +126,11 @@ class PolicyOptimizer:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
+    def set_lr(self, lr: float) -> None:
+        """Every parameter group's learning rate (the warmup sets it before each step)."""
+        for group in self.param_groups:
+            group["lr"] = lr
+
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.inner.zero_grad()

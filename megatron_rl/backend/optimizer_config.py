@@ -13,6 +13,11 @@ class OptimizerConfig:
     """Adam and megatron's gradient handling."""
 
     lr: float = option(1e-6, help="learning rate")
+    lr_warmup_iters: int = option(
+        0,
+        help="linear warmup over this many steps (--train-iters units): step s (0-based) uses "
+        "lr * min(1, (s + 1) / warmup), as megatron's scheduler (EPIC's protocol: 10)",
+    )
     weight_decay: float = option(0.0, help="decoupled weight decay")
     adam_beta1: float = option(0.9, help="Adam beta1")
     adam_beta2: float = option(0.999, help="Adam beta2")
@@ -39,6 +44,8 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise bad_value(self, "lr", "must be a finite number > 0")
+        if not (isinstance(self.lr_warmup_iters, int) and self.lr_warmup_iters >= 0):
+            raise bad_value(self, "lr_warmup_iters", "must be an integer >= 0 (0: no warmup)")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad_value(self, name, "must be in [0, 1)")
@@ -58,3 +65,10 @@ class OptimizerConfig:
                 "(use_distributed_optimizer): megatron offloads through the precision-aware path "
                 "of its distributed optimizer"
             )
+
+
+def step_lr(config: OptimizerConfig, step: int) -> float:
+    """The learning rate of (0-based) step ``step``: ``lr * min(1, (step + 1) / warmup)``."""
+    if config.lr_warmup_iters == 0:
+        return config.lr
+    return config.lr * min(1.0, (step + 1) / config.lr_warmup_iters)

@@ -33,6 +33,7 @@ from megatron.core import parallel_state
 
 from megatron_rl.backend import destroy_distributed, init_distributed
 from megatron_rl.backend.optimizer import build_optimizer, wrap_for_training
+from megatron_rl.backend.optimizer_config import step_lr
 from megatron_rl.collectives import (
     all_gather_objects,
     all_ranks_agree,
@@ -208,6 +209,9 @@ class Trainer:
         metrics["time/rollout"] = time.perf_counter() - start
         if self.step_index + 1 < self.config.schedule.train_iters:  # not after the run's last step
             self.rollouts.start_next(self.step_index + 1)
+        lr = step_lr(self.config.optimizer, self.step_index)
+        self.optimizer.set_lr(lr)
+        metrics["lr"] = lr
         train_start = time.perf_counter()
         metrics.update(self.train_on(batch.samples, should_stop))
         self.rollouts.finish(train=(train_start, time.perf_counter()))
