@@ -7,8 +7,8 @@ For every loss the curves come from the library itself (``compute_policy_loss`` 
 one-token sequences, so they show exactly what training uses: the gradient weight
 ``w = -(d loss / d log pi) / A`` (1 for on-policy REINFORCE, 0 where a clip removes the
 gradient) as a function of the log-ratio (token-level losses: ``log r_t``; sequence-level:
-``log W``; EPIC: the prefix log-ratio at ``t = 1``), for ``A = +1`` and ``A = -1``. EPIC also
-gets its calibrated bounds ``l_t^(1/t)``, ``u_t^(1/t)`` against the prefix position ``t``.
+``log W``; EPIC and CTPO: the prefix log-ratio at ``t = 1``), for ``A = +1`` and ``A = -1``.
+EPIC also gets its calibrated bounds ``l_t^(1/t)``, ``u_t^(1/t)`` against the prefix position ``t``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ LEVEL = {
     "vespo": "sequence",
     "topr": "sequence",
     "epic": "prefix",
+    "ctpo": "prefix",
 }
 X_RANGE = {"gspo": 2e-3, "gspo_token": 2e-3}  # half-width of the log-ratio axis; default 3
 TABLE_POINTS = (-1.0, -0.2, 0.0, 0.2, 1.0)

@@ -4,10 +4,21 @@
 >>> out = compute_policy_loss("vespo", logprobs=lp, old_logprobs=olp, advantages=adv,
 ...                           loss_mask=mask)                                   # doctest: +SKIP
 
-Importing this package registers grpo, dapo, gspo, gspo_token, vespo, epic, sapo, cispo, topr.
+Importing this package registers grpo, dapo, gspo, gspo_token, vespo, epic, sapo, cispo, topr,
+ctpo, ripo.
 """
 
-from megatron_rl.losses import cispo, epic, gspo, ppo_clip, sapo, topr, vespo  # noqa: F401
+from megatron_rl.losses import (  # noqa: F401
+    cispo,
+    ctpo,
+    epic,
+    gspo,
+    ppo_clip,
+    ripo,
+    sapo,
+    topr,
+    vespo,
+)
 from megatron_rl.losses.aggregation import AGGREGATION_MODES
 from megatron_rl.losses.kl import KL_ESTIMATORS, kl_penalty
 from megatron_rl.losses.policy_loss import PolicyLossOutput, compute_policy_loss

@@ -9,6 +9,8 @@ aggregated with ``token-mean`` (the paper's ``1 / sum_i |o_i|``). The paper impo
 bound ("setting eps_low to a large value") and tunes only the upper one without publishing its
 value; we default to ``clip_low = None`` (no lower bound) and ``clip_high = 0.28``, the value
 common reproductions use. The weight is computed as ``exp(clamp(log r))``, which never overflows.
+CISPO keeps every token's gradient; ``clipped_BT`` marks the tokens whose weight the clip acted on
+(those counted by ``clip_frac_high`` / ``clip_frac_low``, whatever the advantage's sign).
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def cispo_loss(inputs: PaddedInputs, config: CISPOConfig) -> LossTerms:
         log_high = math.log1p(config.clip_high)
         log_low = -math.inf if config.clip_low is None else math.log1p(-config.clip_low)
         weight_BT = torch.exp(log_r_BT.clamp(min=log_low, max=log_high))
+        high, low = log_r_BT > log_high, log_r_BT < log_low
         metrics = {
-            "clip_frac_high": masked_mean((log_r_BT > log_high).to(lp_BT.dtype), mask_BT),
-            "clip_frac_low": masked_mean((log_r_BT < log_low).to(lp_BT.dtype), mask_BT),
+            "clip_frac_high": masked_mean(high.to(lp_BT.dtype), mask_BT),
+            "clip_frac_low": masked_mean(low.to(lp_BT.dtype), mask_BT),
             "weight_mean": masked_mean(weight_BT, mask_BT),
         }
     loss_BT = -weight_BT * inputs.advantages_BT * lp_BT
-    return LossTerms(loss_BT, metrics)
+    return LossTerms(loss_BT, metrics, (high | low) & mask_BT)

@@ -7,6 +7,8 @@ carries that value, so ``seq-mean-token-mean`` gives the paper's ``(1/G) sum_i``
 GSPO-token uses ``s_it = sg[s_i] * pi_theta(y_t) / sg[pi_theta(y_t)]``: the same value and, for
 sequence advantages, the same gradient ``(1/|y_i|) sum_t s_i A_i grad log pi_t``, while allowing a
 different advantage per token. Defaults: ``clip_low = 3e-4``, ``clip_high = 4e-4`` (the paper's).
+``clipped_BT`` marks the tokens counted by ``clip_frac_high`` / ``clip_frac_low`` (for gspo, every
+token of a clipped sequence).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def _gspo(inputs: PaddedInputs, config: GSPOConfig, token_level: bool) -> LossTe
             "clip_frac_low": masked_mean(low.to(s.dtype), mask),
             "seq_ratio_mean": masked_mean(s, mask),
         }
-    return LossTerms(loss_BT, metrics)
+    return LossTerms(loss_BT, metrics, (high | low) & mask)
 
 
 @register_policy_loss(

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from megatron_rl.losses.aggregation import aggregate_padded, check_agg_mode
+from megatron_rl.losses.clip_positions import check_clipped_map, clip_position_metrics
 from megatron_rl.losses.layout import PaddedInputs, prepare_inputs
 from megatron_rl.losses.metrics import importance_metrics
 from megatron_rl.losses.registry import get_loss_spec
@@ -61,7 +62,10 @@ def compute_policy_loss(
         **hyperparameters: the loss's own (see ``available_losses()`` and each config class).
 
     Returns:
-        ``PolicyLossOutput(loss, per_token_loss, metrics)``.
+        ``PolicyLossOutput(loss, per_token_loss, metrics)``. A loss that clips also gets the
+        position-wise clipping metrics ``policy/clip_pos_tokens_{k}``,
+        ``policy/clip_pos_clipped_{k}``, ``policy/clip_frac_pos_{k}`` and
+        ``policy/clip_position_cv`` (``megatron_rl.losses.clip_positions``).
     """
     spec = get_loss_spec(name)
     if loss_config is not None and hyperparameters:
@@ -97,6 +101,10 @@ def compute_policy_loss(
 
     metrics = {f"policy/{k}": v for k, v in importance_metrics(inputs).items()}
     metrics.update({f"{name}/{k}": v.detach() for k, v in terms.metrics.items()})
+    if terms.clipped_BT is not None:  # where in the responses the clip acted (clip_positions.py)
+        check_clipped_map(terms.clipped_BT, inputs.mask_BT, f"loss {name!r}")
+        positions = clip_position_metrics(terms.clipped_BT.detach(), inputs.mask_BT)
+        metrics.update({f"policy/{k}": v for k, v in positions.items()})
     metrics["policy/loss"] = loss.detach()
     per_token = per_token_BT if layout is None else layout.to_packed(per_token_BT)
     return PolicyLossOutput(loss, per_token.to(logprobs.dtype), metrics)

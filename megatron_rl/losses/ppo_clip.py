@@ -6,7 +6,8 @@ GRPO, Shao et al. 2024, "DeepSeekMath"), optionally with the dual clip of Ye et 
 ("Mastering Complex Control in MOBA Games with Deep RL") for ``A < 0``:
 ``l_t = min(l_t, -A * clip_ratio_c)``. DAPO (Yu et al. 2025) is the same surrogate with the
 decoupled "clip-higher" bound ``clip_high = 0.28`` and token-mean aggregation.
-``r_t`` comes from ``capped_exp`` (exact for ``log r_t <= 20``).
+``r_t`` comes from ``capped_exp`` (exact for ``log r_t <= 20``). ``clipped_BT`` marks the tokens
+counted by ``clip_frac_high``, ``clip_frac_low`` and ``dual_clip_frac`` (disjoint sets).
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ def clipped_surrogate(
 
 
 @torch.no_grad()
+def clip_sides(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool maps of the positions whose gradient the upper / lower clip removes."""
+    high = (advantages > 0) & (ratio > 1 + clip_high)
+    low = (advantages < 0) & (ratio < 1 - clip_low)
+    return high, low
+
+
+@torch.no_grad()
 def clip_fractions(
     ratio: torch.Tensor,
     advantages: torch.Tensor,
@@ -69,8 +80,7 @@ def clip_fractions(
     clip_high: float,
 ) -> dict[str, torch.Tensor]:
     """Fractions of masked positions whose gradient the clip removes, per side (ratio's dtype)."""
-    high = (advantages > 0) & (ratio > 1 + clip_high)
-    low = (advantages < 0) & (ratio < 1 - clip_low)
+    high, low = clip_sides(ratio, advantages, clip_low, clip_high)
     return {
         "clip_frac_high": masked_mean(high.to(ratio.dtype), mask),
         "clip_frac_low": masked_mean(low.to(ratio.dtype), mask),
@@ -80,17 +90,23 @@ def clip_fractions(
 def ppo_clip_loss(inputs: PaddedInputs, config: PPOClipConfig) -> LossTerms:
     log_ratio_BT = inputs.logprobs_BT - inputs.old_logprobs_BT
     ratio_BT = capped_exp(log_ratio_BT)
-    adv_BT = inputs.advantages_BT
+    adv_BT, mask_BT = inputs.advantages_BT, inputs.mask_BT
     loss_BT = clipped_surrogate(
         ratio_BT, adv_BT, config.clip_low, config.clip_high, config.clip_ratio_c
     )
-    metrics = clip_fractions(
-        ratio_BT.detach(), adv_BT, inputs.mask_BT, config.clip_low, config.clip_high
-    )
-    if config.clip_ratio_c is not None:
-        dual = (adv_BT < 0) & (ratio_BT.detach() > config.clip_ratio_c)
-        metrics["dual_clip_frac"] = masked_mean(dual.to(ratio_BT.dtype), inputs.mask_BT)
-    return LossTerms(loss_BT, metrics)
+    with torch.no_grad():
+        ratio = ratio_BT.detach()
+        high, low = clip_sides(ratio, adv_BT, config.clip_low, config.clip_high)
+        metrics = {
+            "clip_frac_high": masked_mean(high.to(ratio.dtype), mask_BT),
+            "clip_frac_low": masked_mean(low.to(ratio.dtype), mask_BT),
+        }
+        clipped_BT = high | low
+        if config.clip_ratio_c is not None:  # disjoint from low: the ratio is above c > 1
+            dual = (adv_BT < 0) & (ratio > config.clip_ratio_c)
+            metrics["dual_clip_frac"] = masked_mean(dual.to(ratio.dtype), mask_BT)
+            clipped_BT = clipped_BT | dual
+    return LossTerms(loss_BT, metrics, clipped_BT & mask_BT)
 
 
 register_policy_loss("grpo", config=PPOClipConfig, default_agg_mode="seq-mean-token-mean")(

@@ -9,6 +9,8 @@ with ``W_i = exp(sum_t (log pi_theta - log mu))`` evaluated as ``exp(min(log W_i
 paper's objective uses the sequence log-likelihood ``log pi(y_i) = sum_t log pi_t`` averaged over
 trajectories, hence the default ``seq-mean-token-sum``; the VESPO paper's comparison runs it with
 length normalisation, which is ``loss_agg_mode="seq-mean-token-mean"``. No hyperparameters.
+``clipped_BT`` marks every token of a truncated sequence (``A_i < 0`` and ``W_i > 1``); its metric
+``clip_frac_high`` counts those sequences, as a fraction of the sequences.
 """
 
 from __future__ import annotations
@@ -42,5 +44,6 @@ def topr_loss(inputs: PaddedInputs, config: TOPRConfig) -> LossTerms:
             "neg_weight_mean": masked_mean(weight_B, seq_mask_B & negative_B),
             "clip_frac_high": masked_mean((negative_B & (log_w_B > 0)).to(lp_BT.dtype), seq_mask_B),
         }
+        truncated_B = negative_B & (log_w_B > 0)
     loss_BT = -(weight_B * adv_B)[:, None] * lp_BT
-    return LossTerms(loss_BT, metrics)
+    return LossTerms(loss_BT, metrics, truncated_B[:, None] & inputs.mask_BT)

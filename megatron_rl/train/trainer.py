@@ -43,6 +43,7 @@ from megatron_rl.collectives import (
     sum_over_ranks,
 )
 from megatron_rl.losses import rollout_correction
+from megatron_rl.losses.clip_positions import clip_profile_from_counts
 from megatron_rl.model import build_model
 from megatron_rl.model.conversion import iter_hf_tensors_every_stage
 from megatron_rl.moe_layers import moe_layer_numbers
@@ -226,6 +227,8 @@ class Trainer:
         metrics["staleness/updates_per_rollout"] = float(self.config.updates_per_rollout)
         self.step_index += 1
         reduced = mean_over_ranks(metrics)
+        # the step's position-wise clip profile from its (averaged) counts, not mean fractions
+        reduced.update(clip_profile_from_counts(reduced))
         self.learning.record(reduced, self.step_index)  # the same decision on every rank
         if self.learning.reward_exhausted:  # name the first error any generator rank saw
             errors = all_gather_objects(self.reward_error)

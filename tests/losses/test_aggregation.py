@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from loss_batches import loss_and_grad, make_batch
+from paper_losses import PAPER_LOSSES
 
 from megatron_rl.losses import AGGREGATION_MODES, compute_policy_loss
 from megatron_rl.losses.aggregation import aggregate_padded
-
-PAPER_LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "vespo", "epic", "sapo", "cispo", "topr")
 
 
 def test_aggregation_closed_forms():

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from loss_batches import SEQUENCE_ADVANTAGE_LOSSES, loss_and_grad, make_batch
+from paper_losses import PAPER_LOSSES
 
 from megatron_rl.losses import AGGREGATION_MODES, available_losses, compute_policy_loss
-
-PAPER_LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "vespo", "epic", "sapo", "cispo", "topr")
 
 
 def _pack(b, adv_BT=None):

@@ -7,10 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paper_losses import PAPER_LOSSES
 
 from megatron_rl.losses import available_losses, compute_policy_loss
-
-PAPER_LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "vespo", "epic", "sapo", "cispo", "topr")
 
 
 def _finite_loss_and_grad(name, lp, olp, adv, mask, **kw):

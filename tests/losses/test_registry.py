@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from loss_batches import make_batch
+from paper_losses import DEFAULT_AGG, PAPER_LOSSES
 
 from megatron_rl.losses import (
     LossTerms,
@@ -17,18 +18,7 @@ from megatron_rl.losses import (
     registry,
 )
 
-EXPECTED = {"grpo", "dapo", "gspo", "gspo_token", "vespo", "epic", "sapo", "cispo", "topr"}
-DEFAULT_AGG = {
-    "grpo": "seq-mean-token-mean",
-    "dapo": "token-mean",
-    "gspo": "seq-mean-token-mean",
-    "gspo_token": "seq-mean-token-mean",
-    "vespo": "token-mean",
-    "epic": "seq-mean-token-mean",
-    "sapo": "seq-mean-token-mean",
-    "cispo": "token-mean",
-    "topr": "seq-mean-token-sum",
-}
+EXPECTED = set(PAPER_LOSSES)
 
 
 def test_all_paper_losses_are_registered_with_their_default_aggregation():

@@ -6,8 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from paper_losses import PAPER_LOSSES
+
 ROOT = Path(__file__).resolve().parents[2]
-PAPER_LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "vespo", "epic", "sapo", "cispo", "topr")
 
 
 def _run(*args: str) -> str:

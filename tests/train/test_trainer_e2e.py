@@ -10,12 +10,11 @@ import threading
 
 import pytest
 import torch
+from paper_losses import PAPER_LOSSES
 from trainer_testing import rendezvous, small_config
 
 from megatron_rl.train.run import run
 from megatron_rl.train.trainer import Trainer
-
-PAPER_LOSSES = ("grpo", "dapo", "gspo", "gspo_token", "vespo", "epic", "sapo", "cispo", "topr")
 
 
 def _metrics(tmp_path) -> list[dict]:
