@@ -32,7 +32,7 @@ sglang-env: $(SGLANG_STAMP)
 
 # runs/main again: the previous run's metrics are kept as runs/main/metrics.jsonl.<UTC time>.bak
 main: $(STAMP)
-	$(PY) -m megatron_rl.train --run-dir runs/main --overwrite-run-dir
+	$(PY) -m megatron_rl.train --run-dir runs/main --overwrite-run-dir --eval-interval 10
 
 report: $(STAMP)
 	$(PY) tools/loss_report.py --out runs/loss_report

@@ -103,7 +103,7 @@ def curve(rows: list[dict]) -> tuple[list[int], list[float], list[float]]:
 
 def summarize_run(run: Run, window: int, target: float) -> dict:
     """The numbers of one run (see the module docstring)."""
-    rows = read_rows(run.metrics_path)
+    rows = [r for r in read_rows(run.metrics_path) if "time/step" in r]  # not a step-0 eval row
     steps, seconds, accuracy = curve(rows)
     smooth = trailing_mean(accuracy, window)
     first = next((i for i, m in enumerate(smooth) if m is not None and m >= target), None)

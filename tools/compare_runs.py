@@ -26,6 +26,13 @@ the optional parts only when not the default):
   rollouts); arms with a correction and float32 rollouts are skipped (their weights are 1);
 * ``--rollout-dtype``: the in-process engine's dtype (default: the preset's).
 
+``--recipe epic-paper`` (or ``vespo-paper``; `megatron_rl/recipes.py`): the arms are the paper's
+(``--losses`` picks among them, default all: e.g. ``grpo dapo gspo ctpo ripo epic grpo-r2
+grpo-r3``), each with its table's objective and the shared protocol (sampling, dynamic sampling,
+evaluation every few steps on the built-in held-out set, KL, warmup) at this study's scale (the
+embedded model's batch, staleness and learning rate); ``--replay`` is the recipe's. The summary
+then adds the final held-out ``eval/mean@k``.
+
 ``--preset mismatch``: ``--model tiny-mismatch --rollout-dtype bfloat16``. The engine computes in
 bf16 while the trainer computes in fp32; tiny-mismatch (64 experts, top-8, 4 layers) has 64 close
 router logits per token, and bf16's rounding of the hidden state moves them by about their
@@ -61,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from megatron_rl.recipes import RECIPES, get_recipe  # noqa: E402
 from megatron_rl.study import stats  # noqa: E402
 
 PRESETS = {
@@ -101,10 +109,12 @@ class Arm:
     correction: str = "none"
     rollout_dtype: str = "float32"
     default_rollout_dtype: str = "float32"
+    recipe: str | None = None  # ``loss`` is then an arm of this recipe (its objective)
 
     @property
     def name(self) -> str:
-        parts = [self.loss, self.replay, f"N{self.staleness}"]
+        parts = [self.loss, f"N{self.staleness}"] if self.recipe else []
+        parts = parts or [self.loss, self.replay, f"N{self.staleness}"]
         if self.routing_dtype != "auto":
             parts.append(self.routing_dtype)
         if self.correction != "none":
@@ -118,15 +128,18 @@ def build_grid(args) -> tuple[list[Arm], list[str]]:
     """The arms of the grid and a note per skipped combination."""
     default_dtype = PRESETS[args.preset]["rollout_dtype"]
     arms, skipped = [], []
+    losses, replays = args.losses, args.replay
+    if args.recipe:  # the recipe's arms carry their own loss and replay
+        losses, replays = args.losses or list(get_recipe(args.recipe).arms), ["off"]
     for loss, replay, n, codec, correction, dtype in itertools.product(
-        args.losses,
-        args.replay,
+        losses,
+        replays,
         args.staleness,
         args.routing_dtype,
         args.rollout_correction,
         args.rollout_dtype or [default_dtype],
     ):
-        arm = Arm(loss, replay, n, codec, correction, dtype, default_dtype)
+        arm = Arm(loss, replay, n, codec, correction, dtype, default_dtype, args.recipe)
         if codec != "auto" and replay == "off":
             skipped.append(f"{arm.name}: --routing-dtype only matters with routes (r2/r3/r3rec)")
         elif correction != "none" and dtype == "float32":
@@ -152,9 +165,12 @@ def arm_flags(arm: Arm, args) -> list[str]:
     while global_batch % micro:
         micro -= 1
     model = PRESETS[args.preset]["model"]
+    objective = ["--loss", arm.loss, *REPLAY_FLAGS[arm.replay]]
+    if arm.recipe:  # the paper's protocol and this arm's objective, at the study's scale
+        objective = get_recipe(arm.recipe).flags(arm.loss)
     return [
         *(["--model", model] if model else []),
-        "--loss", arm.loss, *REPLAY_FLAGS[arm.replay],
+        *objective,
         "--routing-dtype", arm.routing_dtype, "--rollout-correction", arm.correction,
         "--rollout-dtype", arm.rollout_dtype,
         "--train-iters", str(args.train_iters),
@@ -287,9 +303,18 @@ def _mean_over_steps(rows: list[dict], key: str) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
+def _final_eval(rows: list[dict], window: int) -> float:
+    """The mean of the last ``window`` held-out evaluations' ``eval/mean@k`` (nan without)."""
+    keys = sorted({k for row in rows for k in row if k.startswith("eval/mean@")})
+    if not keys:
+        return math.nan
+    return stats.tail_mean(list(curve(rows, keys[0]).values()), window)
+
+
 # (key, column title); the per-run scalar each row of summary.md aggregates over seeds
 RUN_METRICS = (
     ("final_accuracy", "final accuracy"),
+    ("final_eval", "final held-out mean@k"),
     ("first_step", "first step >= threshold"),
     ("logprob_gap", "abs log-prob gap"),
     ("k3", "train/rollout k3 KL"),
@@ -323,6 +348,7 @@ def run_scalars(rows: list[dict], marker: dict, threshold: float, window: int) -
         "time_step": _mean_over_steps(rows, "time/step"),
         "routing_bytes": _mean_over_steps(rows, "routing/bytes_per_rank"),
         "peak_rss_mb": float(marker.get("peak_rss_mb", math.nan)),
+        "final_eval": _final_eval(rows, window),
     }
     layers = sorted(
         {k for row in rows for k in row if k.startswith("routing/agreement/behaviour/layer_")},
@@ -493,7 +519,10 @@ def parse_args(argv: Sequence[str] | None = None):
     parser.add_argument("--seeds", type=int, default=5, help="seeds per arm: 1..K")
     parser.add_argument("--first-seed", type=int, default=1)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--losses", nargs="+", default=["grpo", "gspo", "vespo", "epic"])
+    parser.add_argument("--recipe", choices=tuple(RECIPES), help="a paper's arms and protocol")
+    parser.add_argument(
+        "--losses", nargs="+", help="losses (default grpo gspo vespo epic), or --recipe's arms"
+    )
     parser.add_argument("--replay", nargs="+", default=["off"], choices=tuple(REPLAY_FLAGS))
     parser.add_argument("--staleness", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--routing-dtype", nargs="+", default=["auto"], choices=ROUTING_DTYPES)
@@ -519,6 +548,15 @@ def parse_args(argv: Sequence[str] | None = None):
     args.extra = [e for e in extra if e != "--"]
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds}: need at least 1")
+    if args.recipe:
+        arms = get_recipe(args.recipe).arms
+        unknown_arms = [a for a in args.losses or () if a not in arms]
+        if unknown_arms:
+            parser.error(f"--losses {unknown_arms}: not arms of {args.recipe} ({', '.join(arms)})")
+        if args.replay != ["off"]:
+            parser.error("--replay with --recipe: the recipe's arms set routing replay")
+    elif args.losses is None:
+        args.losses = ["grpo", "gspo", "vespo", "epic"]
     return args
 
 

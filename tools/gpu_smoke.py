@@ -278,7 +278,8 @@ def async_throughput_check(device: str, quick: bool, workdir: str) -> dict:
         )
         run(config)
         with open(os.path.join(folder, METRICS_FILE), encoding="utf-8") as handle:
-            steps = [json.loads(line)["time/step"] for line in handle if line.strip()]
+            rows = [json.loads(line) for line in handle if line.strip()]
+        steps = [row["time/step"] for row in rows if "time/step" in row]  # not an eval-only row
         later = sorted(steps[1:])
         return later[len(later) // 2]
 

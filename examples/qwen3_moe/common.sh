@@ -12,6 +12,31 @@
 
 dry_run() { [[ "${DRY_RUN:-0}" == 1 ]]; }
 
+# RECIPE=<name> ARM=<arm>: a paper's protocol (megatron_rl/recipes.py) instead of LOSS/REPLAY.
+# Sets RECIPE_ARGS (the arm's trainer flags at the paper's scale, staleness STALENESS when set,
+# then one --eval-prompt-data per EVAL_DATA entry "NAME=PATH"), and LOSS and REPLAY from the
+# arm's flags (run names, the servers' --routed-experts). The recipe's flags come last on the
+# trainer's command line, so they win over the launcher's defaults. Without RECIPE: nothing.
+apply_recipe() {
+  RECIPE_ARGS=()
+  [[ -n "${RECIPE:-}" ]] || return 0
+  ARM=${ARM:?set ARM to an arm of RECIPE=${RECIPE} (python -m megatron_rl.recipes --list)}
+  local data=(${EVAL_DATA:?set EVAL_DATA to the evaluation sets, "NAME=PATH NAME=PATH ..."})
+  local staleness=()
+  if [[ -n "${STALENESS:-}" ]]; then staleness=(--staleness "${STALENESS}"); fi
+  mapfile -t RECIPE_ARGS < <(${PYTHON:-python} -m megatron_rl.recipes "${RECIPE}" "${ARM}" --scale "${staleness[@]}")
+  (( ${#RECIPE_ARGS[@]} )) || { echo "RECIPE=${RECIPE} ARM=${ARM}: no flags (see above)" >&2; exit 2; }
+  local i
+  LOSS=${ARM} REPLAY=off
+  for (( i = 0; i + 1 < ${#RECIPE_ARGS[@]}; i++ )); do
+    case "${RECIPE_ARGS[i]}" in
+      --loss) LOSS=${RECIPE_ARGS[i + 1]} ;;
+      --routing-replay) REPLAY=${RECIPE_ARGS[i + 1]} ;;
+    esac
+  done
+  for i in "${data[@]}"; do RECIPE_ARGS+=(--eval-prompt-data "${i}"); done
+}
+
 # The per-launch variables every node derives the same way (the environment overrides them).
 init_launch() {
   NODES=$(( TRAIN_NODES + ${#ROLLOUT_HOSTS[@]} ))

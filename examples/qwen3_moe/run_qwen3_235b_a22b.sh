@@ -11,6 +11,8 @@
 # (--optimizer-cpu-offload: the model does not fit 32 80-GB GPUs without it, see the memory plan
 # below); OPTIMIZER_OFFLOAD_FRACTION (default 1.0) keeps only that share of it there.
 # ASYNC_SAVE=1 writes checkpoints in the background (--async-save).
+# RECIPE=epic-paper|vespo-paper with ARM=<arm> and EVAL_DATA runs a paper's protocol (see
+# run_qwen3_30b_a3b.sh and megatron_rl/recipes.py).
 # DRY_RUN=1 prints the commands of this node instead of running them (and what it would check).
 # Under SLURM: examples/qwen3_moe/slurm_qwen3_235b_a22b.sbatch sets the node variables.
 #
@@ -75,9 +77,10 @@ MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR to the first training node}
 ROLLOUT_HOSTS=(${ROLLOUT_HOSTS:?set ROLLOUT_HOSTS to the serving nodes (one SGLang server each)})
 LOSS=${LOSS:-vespo}
 REPLAY=${REPLAY:-off}
+apply_recipe  # common.sh: RECIPE/ARM (a paper's protocol at its scale) set LOSS, REPLAY, RECIPE_ARGS
 STALENESS=${STALENESS:-8}
 SGLANG_PORT=${SGLANG_PORT:-30000}
-RUN_DIR=${RUN_DIR:-runs/qwen3-235b-a22b-${LOSS}-${REPLAY}-N${STALENESS}}
+RUN_DIR=${RUN_DIR:-runs/qwen3-235b-a22b-${RECIPE:+${RECIPE}-}${ARM:-${LOSS}-${REPLAY}}-N${STALENESS}}
 TRAIN_NODES=4
 GPUS_PER_NODE=8
 ROLLOUT_PROMPTS=64
@@ -144,7 +147,7 @@ OUTPUT_ARGS=(
   --save-interval 20
   --ckpt-format torch_dist
   --wandb-project "${WANDB_PROJECT:-megatron-rl}"
-  --wandb-exp-name "qwen3-235b-a22b-${LOSS}-${REPLAY}-N${STALENESS}"
+  --wandb-exp-name "$(basename "${RUN_DIR}")"
 )
 if [[ "${ASYNC_SAVE:-0}" == 1 ]]; then OUTPUT_ARGS+=(--async-save); fi
 
@@ -162,7 +165,7 @@ TRAIN_CMD=(
   --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT:-29500}"
   -m megatron_rl.train
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${RL_ARGS[@]}"
-  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}"
+  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${RECIPE_ARGS[@]}"
 )
 
 launch_node  # common.sh: check NODE_RANK, announce this node, then serve or train

@@ -9,6 +9,9 @@
 # LOSS=vespo|epic|gspo|grpo|... and REPLAY=off|r2|r3 pick the arm; STALENESS is N; KL_COEF
 # overrides the recipe's KL coefficient (see RL_ARGS); OPTIMIZER_CPU_OFFLOAD=1 keeps the Adam
 # state in host memory (OPTIMIZER_OFFLOAD_FRACTION of it, default all).
+# RECIPE=epic-paper|vespo-paper with ARM=<arm> runs a paper's protocol instead (its table's values,
+# megatron_rl/recipes.py; EVAL_DATA="aime24=/shared/aime24.jsonl ..." names the evaluation sets):
+#   RECIPE=epic-paper ARM=ctpo EVAL_DATA="aime24=... aime25=... amc23=... hmmt25=..." NODE_RANK=0 ...
 # DRY_RUN=1 prints the commands of this node instead of running them (and what it would check).
 # Under SLURM: examples/qwen3_moe/slurm_qwen3_30b_a3b.sbatch sets the node variables.
 #
@@ -31,9 +34,10 @@ MASTER_ADDR=${MASTER_ADDR:?set MASTER_ADDR to the first training node}
 ROLLOUT_HOSTS=(${ROLLOUT_HOSTS:?set ROLLOUT_HOSTS to the two serving nodes})
 LOSS=${LOSS:-vespo}
 REPLAY=${REPLAY:-off}
+apply_recipe  # common.sh: RECIPE/ARM set LOSS, REPLAY and RECIPE_ARGS
 STALENESS=${STALENESS:-8}
 SGLANG_PORT=${SGLANG_PORT:-30000}
-RUN_DIR=${RUN_DIR:-runs/qwen3-30b-a3b-${LOSS}-${REPLAY}-N${STALENESS}}
+RUN_DIR=${RUN_DIR:-runs/qwen3-30b-a3b-${RECIPE:+${RECIPE}-}${ARM:-${LOSS}-${REPLAY}}-N${STALENESS}}
 TRAIN_NODES=2
 GPUS_PER_NODE=8
 ROLLOUT_PROMPTS=64
@@ -102,7 +106,7 @@ OUTPUT_ARGS=(
   --load "${RUN_DIR}/checkpoints"
   --save-interval 20
   --wandb-project "${WANDB_PROJECT:-megatron-rl}"
-  --wandb-exp-name "qwen3-30b-a3b-${LOSS}-${REPLAY}-N${STALENESS}"
+  --wandb-exp-name "$(basename "${RUN_DIR}")"
 )
 
 # a serving node: one SGLang server on all 8 GPUs
@@ -119,7 +123,7 @@ TRAIN_CMD=(
   --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT:-29500}"
   -m megatron_rl.train
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${RL_ARGS[@]}"
-  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}"
+  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${RECIPE_ARGS[@]}"
 )
 
 launch_node  # common.sh: check NODE_RANK, announce this node, then serve or train

@@ -7,7 +7,9 @@ useful instance, "the successor of digit d" (one operand, offset 1, modulus 10: 
 policy should answer with the digit token, then ``<eos>``. The "builtin" reward
 (`megatron_rl.rewards.score_builtin_response`) gives 1.0 when the first symbol of the decoded
 response is the answer digit, else 0.0; what follows it is ignored, so a rollout of
-``max_response_length`` 2 to 4 suffices.
+``max_response_length`` 2 to 4 suffices. The default task uses all ten possible prompts;
+`builtin_heldout` gives questions it never shows (``<bos> 0 + d =``, the same answers) for
+evaluation.
 
 ``vocab_size`` is 16 (divisible by any tensor-parallel size up to 16). Build the policy with this
 vocabulary (``preset_config("tiny", vocab_size=tokenizer.vocab_size)``): a randomly initialised
@@ -95,14 +97,58 @@ def builtin_task(config: BuiltinTaskConfig) -> tuple[BuiltinTokenizer, list[Prom
     ``seed`` when ``num_prompts < modulus ** num_operands``.
     """
     tokenizer = BuiltinTokenizer()
+    operands = _training_operands(config)
+    return tokenizer, _records(tokenizer, operands, config)
+
+
+HELDOUT_FORMS = ("zero-first", "zero-last")
+"""Where `builtin_heldout` writes the extra zero operand: ``<bos> 0 + d =`` or ``<bos> d + 0 =``."""
+
+
+def builtin_heldout(config: BuiltinTaskConfig, form: str = "zero-first") -> list[PromptRecord]:
+    """Held-out prompts of the task ``config``: each training prompt with one more operand, 0.
+
+    The sum, hence the answer, is unchanged (``<bos> 3 =`` and ``<bos> 3 + 0 =`` both answer
+    ``4`` in the default task), but the prompt is one the training set never shows: two more
+    tokens, the ``+`` the default task's prompts lack, and the digit at another position
+    (``form="zero-first"``: ``<bos> 0 + 3 =``) or followed by ``+ 0`` (``"zero-last"``). So the
+    set measures whether the policy learned "answer the successor of the digit it reads" beyond
+    the exact training prompts, not memorised answers. Records are indexed ``0..`` in the order of
+    the training prompts; the training set itself is unchanged.
+
+    ``"zero-first"`` is the evaluation set (``--eval-prompt-data builtin``): after 80 steps of the
+    main job it scored mean@8 0.33-0.42 over steps 40-80 for three seeds (training accuracy
+    0.78-0.95), ``"zero-last"`` 0.18-0.36 (docs/trainer.md, "Evaluation").
+    """
+    if form not in HELDOUT_FORMS:
+        raise ValueError(f"form={form!r}: choose one of {HELDOUT_FORMS}")
+    if config.num_operands >= _MAX_OPERANDS:
+        raise ValueError(
+            f"num_operands={config.num_operands}: the held-out prompts add an operand, so the "
+            f"task may have at most {_MAX_OPERANDS - 1}"
+        )
+    operands = [
+        (0, *digits) if form == "zero-first" else (*digits, 0)
+        for digits in _training_operands(config)
+    ]
+    return _records(BuiltinTokenizer(), operands, config)
+
+
+def _training_operands(config: BuiltinTaskConfig) -> list[tuple[int, ...]]:
+    """The operand tuples of the training prompts, in lexicographic order."""
     operands = list(itertools.product(range(config.modulus), repeat=config.num_operands))
     if config.num_prompts < len(operands):
         rng = np.random.default_rng(config.seed)
         keep = np.sort(rng.choice(len(operands), size=config.num_prompts, replace=False))
         operands = [operands[i] for i in keep]
+    return operands
+
+
+def _records(tokenizer, operands, config: BuiltinTaskConfig) -> list[PromptRecord]:
+    """One record per operand tuple: ``<bos> d_1 + ... + d_k =`` -> ``(sum + offset) % modulus``."""
     records = []
     for index, digits in enumerate(operands):
         text = "<bos> " + " + ".join(map(str, digits)) + " ="
         answer = str((sum(digits) + config.offset) % config.modulus)
         records.append(PromptRecord(index, tuple(tokenizer.encode(text)), answer, text))
-    return tokenizer, records
+    return records

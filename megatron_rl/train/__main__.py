@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         load = resolve_load(config)  # checked before megatron builds anything
-        task = build_task(config.task)  # data, tokenizer and reward before the model
+        task = build_task(config.task, config.eval)  # data, held-out sets, reward: before the model
     except ValueError as err:  # UnicodeDecodeError included
         return _start_up_error(err)
     try:

@@ -30,6 +30,7 @@ from megatron_rl.routing.modes import ReplayConfig
 from megatron_rl.runtime import RuntimeConfig
 from megatron_rl.train.checkpoint_config import CheckpointConfig
 from megatron_rl.train.engine_config import EngineConfig
+from megatron_rl.train.eval_config import EvalConfig
 from megatron_rl.train.objective import ObjectiveConfig
 from megatron_rl.train.rollout_config import RolloutConfig
 from megatron_rl.train.run_logger import RunLoggerConfig
@@ -54,6 +55,7 @@ SECTIONS = {
     "rollout": ("rollout", RolloutConfig, {}),
     "engine": ("rollout engine and weight sync", EngineConfig, {}),
     "task": ("data and reward", TaskConfig, {}),
+    "eval": ("evaluation on held-out prompts", EvalConfig, {}),
     "checkpoint": ("checkpoints (Megatron names)", CheckpointConfig, {}),
     "logging": ("output", RunLoggerConfig, {}),
 }
@@ -81,6 +83,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=partial(_section, "rollout"))
     engine: EngineConfig = field(default_factory=partial(_section, "engine"))
     task: TaskConfig = field(default_factory=partial(_section, "task"))
+    eval: EvalConfig = field(default_factory=partial(_section, "eval"))
     checkpoint: CheckpointConfig = field(default_factory=partial(_section, "checkpoint"))
     logging: RunLoggerConfig = field(default_factory=partial(_section, "logging"))
 
@@ -105,6 +108,11 @@ class TrainConfig:
             "replay.dtype": self.replay.dtype,
             "logging.run_dir": os.path.join(self.logging.run_dir, "weight_sync"),
             "schedule.train_iters": self.schedule.train_iters,
+            "rollout.temperature": self.rollout.temperature,
+            "rollout.top_p": self.rollout.top_p,
+            "rollout.top_k": self.rollout.top_k,
+            "task.reward": self.task.reward,
+            "task.prompt_data is None": self.task.prompt_data is None,
         }
         for name in SECTIONS:
             section = getattr(self, name)

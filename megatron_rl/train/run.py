@@ -23,10 +23,11 @@ from megatron_rl.train.checkpoint import (
 )
 from megatron_rl.train.checkpoint_folders import choose_step, step_folders
 from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.evaluation import Evaluator
 from megatron_rl.train.preemption import PreemptionHandler
 from megatron_rl.train.run_lock import hold_run_folders, launch_rank
 from megatron_rl.train.run_logger import RunLogger, claim_run_dir, plot_learning_curve
-from megatron_rl.train.task import Task
+from megatron_rl.train.task import Task, add_eval_sets, build_task
 from megatron_rl.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,11 @@ def run(
             claim_run_dir(
                 config.logging, resumed=load is not None, auto_resume=bool(config.checkpoint.load)
             )
+        if config.eval.enabled:  # the held-out sets, built with the task (before the model)
+            if task is None:
+                task = build_task(config.task, config.eval)
+            elif not task.eval_sets:
+                task = add_eval_sets(task, config.task, config.eval)
         trainer = Trainer(config, task=task, **dist_kwargs)
         stack.callback(trainer.close)
         saver = stack.enter_context(_Saver(trainer, config))  # commits before trainer.close
@@ -137,25 +143,49 @@ def run(
         if preemption.agreed():
             logger.warning("stop signal during start-up: exiting before the first step")
             return {}
-        return _train(trainer, config, preemption, saver)
+        evaluator = Evaluator.for_trainer(trainer, task) if config.eval.enabled else None
+        return _train(trainer, config, preemption, saver, evaluator)
 
 
-def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> dict:
+def _train(
+    trainer: Trainer,
+    config: TrainConfig,
+    preemption,
+    saver: _Saver,
+    evaluator: Evaluator | None = None,
+) -> dict:
+    """The step loop. ``evaluator`` (`megatron_rl.train.evaluation`): evaluate after every
+    ``--eval-interval``-th step (its metrics join that step's row) and, with
+    ``--eval-before-train`` on a fresh start, before the first step (a row at step 0); skipped
+    when a stop signal is pending (the stop is served first)."""
     last: dict = {}
     is_main = dist.get_rank() == 0
     run_config = dataclasses.asdict(config)
+    logging_config, plotted = config.logging, ("accuracy", "reward/mean")
+    if evaluator is not None:
+        logging_config = dataclasses.replace(
+            logging_config, headline=logging_config.headline + evaluator.headline
+        )
+        plotted += evaluator.headline
     with RunLogger(
-        config.logging,
+        logging_config,
         run_config=run_config,
         is_main=is_main,
         initial_step=trainer.step_index,
     ) as run_logger:
+        if evaluator is not None and config.eval.eval_before_train and trainer.step_index == 0:
+            run_logger.log(0, evaluator.evaluate(0))
         while trainer.step_index < config.schedule.train_iters:
             metrics = trainer.step(should_stop=preemption.agreed)
             if metrics is None:  # stopped after the rollout: the last step is the state
                 saver.save_and_stop("stop signal")
                 return last
             last = metrics
+            if evaluator is not None and config.eval.due(trainer.step_index):
+                if preemption.agreed():
+                    logger.warning("stop signal: step %d is not evaluated", trainer.step_index)
+                else:
+                    last = {**metrics, **evaluator.evaluate(trainer.step_index)}
             saver.poll()
             run_logger.log(trainer.step_index, last)
             if trainer.nonfinite.exhausted:
@@ -176,7 +206,7 @@ def _train(trainer: Trainer, config: TrainConfig, preemption, saver: _Saver) -> 
         metrics_path = os.path.join(config.logging.run_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):
             plot_learning_curve(
-                metrics_path, os.path.join(config.logging.run_dir, "learning_curve.png")
+                metrics_path, os.path.join(config.logging.run_dir, "learning_curve.png"), plotted
             )
     return last
 

@@ -2,7 +2,10 @@
 
 `build_task` builds the task (tokenizer, prompts, reward function, the policy's HF config) before
 the model, so a bad data file or reward fails in seconds with a message naming the file, row and
-field; ``python -m megatron_rl.train`` builds it once and hands it to the trainer.
+field; ``python -m megatron_rl.train`` builds it once and hands it to the trainer. Given the
+evaluation config, it also loads the held-out sets (`add_eval_sets`: ``--eval-prompt-data``, read
+like ``--prompt-data`` with the evaluation's response length, or the built-in task's held-out
+prompts) and the evaluation reward.
 
 Prompt length: a prompt plus ``--max-response-length`` generated tokens must fit the model's
 context (``max_position_embeddings``), so the prompt limit is ``max_position_embeddings -
@@ -15,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from megatron_rl.data import (
     BuiltinTaskConfig,
@@ -24,10 +27,12 @@ from megatron_rl.data import (
     load_prompt_dataset,
     load_tokenizer,
 )
+from megatron_rl.data.builtin_task import builtin_heldout
 from megatron_rl.data.dataset import PROMPT_TOO_LONG
 from megatron_rl.model import preset_config
 from megatron_rl.model.presets import PRESET_NAMES, load_hf_config
 from megatron_rl.rewards import get_reward_fn
+from megatron_rl.train.eval_config import BUILTIN_EVAL_SET, EvalConfig
 from megatron_rl.train.task_config import TaskConfig
 
 logger = logging.getLogger(__name__)
@@ -43,14 +48,18 @@ class Task:
     hf_config: object  # the policy's HF config (`load_policy_config`)
     checkpoint_dir: str | None  # the policy's weights; None: a preset, randomly initialised
     seed: int
+    # held-out sets by name (`add_eval_sets`; empty without evaluation) and their reward
+    eval_sets: dict[str, list] = field(default_factory=dict)
+    eval_reward_fn: Callable[[str, str], float] | None = None
 
     def new_sampler(self) -> PromptSampler:
         """A prompt sampler at the start of epoch 0 over ``records``."""
         return PromptSampler(len(self.records), seed=self.seed)
 
 
-def build_task(config: TaskConfig) -> Task:
-    """Load the tokenizer, prompts and reward function, or raise ValueError saying what to fix."""
+def build_task(config: TaskConfig, evaluation: EvalConfig | None = None) -> Task:
+    """Load the tokenizer, prompts and reward function, or raise ValueError saying what to fix;
+    with ``evaluation`` (and evaluation on), the held-out sets too (`add_eval_sets`)."""
     if config.prompt_too_long not in PROMPT_TOO_LONG:
         raise ValueError(
             f"--prompt-too-long {config.prompt_too_long!r}: choose one of "
@@ -82,7 +91,7 @@ def build_task(config: TaskConfig) -> Task:
             prompt_too_long=config.prompt_too_long,
             limit_source=source,
         )
-    return Task(
+    task = Task(
         tokenizer=tokenizer,
         records=records,
         reward_fn=reward_fn,
@@ -90,6 +99,57 @@ def build_task(config: TaskConfig) -> Task:
         checkpoint_dir=checkpoint_dir,
         seed=config.seed,
     )
+    if evaluation is not None and evaluation.enabled:
+        task = add_eval_sets(task, config, evaluation)
+    return task
+
+
+def add_eval_sets(task: Task, config: TaskConfig, evaluation: EvalConfig) -> Task:
+    """``task`` with the held-out sets of ``evaluation`` and its reward function.
+
+    A file set is read like ``--prompt-data`` (same tokenizer, ``--prompt-key`` /
+    ``--answer-key``, chat template, ``--prompt-too-long``), its prompts limited to the model's
+    context minus ``--eval-max-response-length``; ``builtin`` is the built-in task's held-out
+    split (`megatron_rl.data.builtin_task.builtin_heldout`). An error names the flag and set.
+    """
+    reward = evaluation.reward
+    try:
+        reward_fn = get_reward_fn(reward)
+        _check_reward_dependencies(reward)
+    except ValueError as err:
+        flag = "--eval-reward" if evaluation.eval_reward is not None else "--reward"
+        raise ValueError(f"{flag} {reward} (evaluation): {err}") from None
+    eval_task = replace(config, max_response_length=evaluation.max_response_length)
+    flag = "--eval-max-response-length"
+    if evaluation.eval_max_response_length is None:
+        flag = "--max-response-length (evaluation)"
+    limit, source = prompt_length_limit(eval_task, task.hf_config, flag)
+    sets: dict[str, list] = {}
+    for name, path in evaluation.sets:
+        where = f"--eval-prompt-data {name}={path}"
+        if path == BUILTIN_EVAL_SET:
+            records = builtin_heldout(BuiltinTaskConfig(seed=config.seed))
+            longest = max(len(r.prompt_ids) for r in records)
+            if longest > limit:
+                raise ValueError(
+                    f"{where}: the built-in held-out prompts have {longest} tokens > {limit} "
+                    f"({source}); lower --eval-max-response-length or raise --max-prompt-length"
+                )
+        else:
+            try:
+                records = load_prompt_dataset(
+                    path,
+                    task.tokenizer,
+                    prompt_key=config.prompt_key,
+                    answer_key=config.answer_key,
+                    max_prompt_length=limit,
+                    prompt_too_long=config.prompt_too_long,
+                    limit_source=source,
+                )
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
+        sets[name] = records
+    return replace(task, eval_sets=sets, eval_reward_fn=reward_fn)
 
 
 def _prompt_data_tokenizer(config: TaskConfig):
@@ -103,20 +163,23 @@ def _prompt_data_tokenizer(config: TaskConfig):
     return load_tokenizer(tokenizer_dir)
 
 
-def prompt_length_limit(config: TaskConfig, hf_config) -> tuple[int, str]:
+def prompt_length_limit(
+    config: TaskConfig, hf_config, response_flag: str = "--max-response-length"
+) -> tuple[int, str]:
     """``(longest allowed prompt in tokens, where that number comes from)``.
 
-    ``max_position_embeddings - max_response_length``, or ``--max-prompt-length`` when smaller.
+    ``max_position_embeddings - max_response_length``, or ``--max-prompt-length`` when smaller;
+    ``response_flag`` names the flag the response length comes from, for messages.
     """
     context = int(hf_config.max_position_embeddings)
     fits = context - config.max_response_length
     if fits < 1:
         raise ValueError(
-            f"--max-response-length {config.max_response_length} leaves no room for a prompt in "
+            f"{response_flag} {config.max_response_length} leaves no room for a prompt in "
             f"--model {config.model}'s context of {context} tokens (max_position_embeddings); "
-            f"use a --max-response-length below {context}"
+            f"use a {response_flag} below {context}"
         )
-    source = f"--model context {context} - --max-response-length {config.max_response_length}"
+    source = f"--model context {context} - {response_flag} {config.max_response_length}"
     if config.max_prompt_length is None:
         return fits, source
     if config.max_prompt_length > fits:

@@ -11,6 +11,7 @@ from megatron_rl.data import (
     builtin_task,
     uniform_policy_accuracy,
 )
+from megatron_rl.data.builtin_task import HELDOUT_FORMS, builtin_heldout
 from megatron_rl.data.builtin_tokenizer import BOS_ID, EOS_ID, PAD_ID, SYMBOLS
 from megatron_rl.model import preset_config
 from megatron_rl.rewards import compute_rewards, get_reward_fn, score_builtin_response
@@ -110,3 +111,32 @@ def test_softmax_bandit_learns_task_from_reward_alone():
         with torch.no_grad():
             accuracy = torch.softmax(logits_PV, -1).gather(1, answer_ids[:, None]).mean().item()
     assert accuracy >= 0.9, f"accuracy {accuracy:.3f} after {steps} updates"
+
+
+@pytest.mark.parametrize("form", HELDOUT_FORMS)
+def test_held_out_prompts_are_new_questions_with_the_training_answers(form):
+    config = BuiltinTaskConfig()
+    _, train = builtin_task(config)
+    held = builtin_heldout(config, form)
+    assert not {r.prompt_ids for r in train} & {r.prompt_ids for r in held}
+    assert [r.answer for r in held] == [r.answer for r in train]
+    assert [r.index for r in held] == list(range(10))
+    expected = "<bos> 0 + 3 =" if form == "zero-first" else "<bos> 3 + 0 ="
+    assert held[3].prompt_text == expected and held[3].answer == "4"
+    assert builtin_task(config)[1] == train  # the training set is untouched
+
+
+def test_held_out_prompts_follow_a_sampled_task_and_refuse_a_fifth_operand():
+    config = BuiltinTaskConfig(num_prompts=7, num_operands=2, modulus=5, offset=0, seed=3)
+    _, train = builtin_task(config)
+    held = builtin_heldout(config)
+    assert [r.prompt_text for r in held] == [
+        "<bos> 0 + " + r.prompt_text.removeprefix("<bos> ") for r in train
+    ]
+    assert [r.answer for r in held] == [r.answer for r in train]
+    default = BuiltinTaskConfig()
+    assert builtin_heldout(default) == builtin_heldout(default, "zero-first")  # the chosen form
+    with pytest.raises(ValueError, match="at most 3"):
+        builtin_heldout(BuiltinTaskConfig(num_operands=4, num_prompts=10))
+    with pytest.raises(ValueError, match="form='middle'"):
+        builtin_heldout(config, "middle")

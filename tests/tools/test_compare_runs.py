@@ -130,3 +130,32 @@ def test_summary_with_one_seed_has_infinite_intervals():
                                 threshold=0.9, window=3)  # fmt: skip
     assert "± inf" in text and "undefined (K < 2)" in text
     assert math.isinf(compare_runs.stats.mean_ci([1.0])[1])
+
+
+def test_a_recipe_study_runs_the_papers_arms_with_their_objective_and_protocol():
+    """``--recipe epic-paper``: one arm per Table 2 method, each with its clipping parameters and
+    the shared protocol; the trainer's parser accepts every arm's command line."""
+    from megatron_rl.train.config import parse_args
+
+    args = compare_runs.parse_args(["--recipe", "epic-paper", "--staleness", "8"])
+    arms, _ = compare_runs.build_grid(args)
+    names = [arm.name for arm in arms]
+    assert names == [f"{arm}-N8" for arm in compare_runs.get_recipe("epic-paper").arms]
+    by_name = {arm.name: compare_runs.arm_flags(arm, args) for arm in arms}
+    ctpo = parse_args(by_name["ctpo-N8"])
+    assert ctpo.objective.loss == "ctpo" and ctpo.objective.loss_config.clip_low == 0.025
+    assert ctpo.rollout.dynamic_sampling and ctpo.rollout.over_sampling_ratio == 0.1
+    assert ctpo.updates_per_rollout == 8 and ctpo.rollout.rollout_batch_size == 16
+    assert parse_args(by_name["grpo-r3-N8"]).replay.mode == "r3"
+    subset = compare_runs.parse_args(
+        ["--recipe", "epic-paper", "--losses", "epic", "ripo", "--staleness", "8"]
+    )
+    assert [a.loss for a in compare_runs.build_grid(subset)[0]] == ["epic", "ripo"]
+    with pytest.raises(SystemExit):
+        compare_runs.parse_args(["--recipe", "epic-paper", "--losses", "vespo"])
+
+
+def test_the_final_held_out_score_is_summarised_when_runs_evaluate():
+    rows = [{"step": s, "accuracy": 0.5, "eval/mean@8": 0.1 * s} for s in range(1, 6)]
+    assert compare_runs.run_scalars(rows, {}, 0.9, 2)["final_eval"] == pytest.approx(0.45)
+    assert math.isnan(compare_runs.run_scalars([{"step": 1}], {}, 0.9, 2)["final_eval"])

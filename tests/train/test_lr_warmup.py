@@ -36,7 +36,7 @@ def test_the_first_update_moves_the_weights_by_the_warmed_up_rate(tmp_path):
             assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(metrics["lr"])
             after = list(trainer.model.parameters())
             moves[warmup] = max(
-                float((a - b).abs().max()) for a, b in zip(after, before, strict=True)
+                float((a.detach() - b).abs().max()) for a, b in zip(after, before, strict=True)
             )
         finally:
             trainer.close()

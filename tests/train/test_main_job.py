@@ -19,13 +19,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_embedded_default_reaches_090_accuracy(tmp_path):
-    config = TrainConfig.from_flags(run_dir=str(tmp_path / "run"), device="cpu", no_progress=True)
+    """`make main`: the defaults with a held-out evaluation every 10 steps."""
+    config = TrainConfig.from_flags(
+        run_dir=str(tmp_path / "run"), device="cpu", no_progress=True, eval_interval=10
+    )
     run(config, **rendezvous(tmp_path))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert len(rows) == config.schedule.train_iters
     assert rows[0]["accuracy"] < 0.3  # starts near chance (1/16)
     final = [r["accuracy"] for r in rows[-5:]]
     assert sum(final) / len(final) >= 0.9, final
+    evaluated = [r for r in rows if "eval/mean@8" in r]
+    assert [r["step"] for r in evaluated] == list(range(10, 81, 10))
+    assert all(0 <= r["eval/pass@8"] <= 1 for r in evaluated)
+    late = [r["eval/mean@8"] for r in evaluated if r["step"] >= 40]
+    assert sum(late) / len(late) > 0.15, late  # held-out, well above chance (1/16)
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 10_000
 
 
