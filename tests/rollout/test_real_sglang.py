@@ -195,18 +195,24 @@ def test_the_trainer_learns_against_the_real_server_with_r3(server, tmp_path):
     ``distributed`` transport over gloo: the engine's routes replayed in megatron, every step's
     weights synced inside a session, and the built-in task's accuracy rises. Reports the
     train/rollout log-prob gap and routing agreement that SGLang's CPU path gives (bf16) against
-    megatron (fp32): a real mismatch, not one made for the test."""
+    megatron (fp32): a real mismatch, not one made for the test. The held-out evaluation
+    (before the first step and every 10) generates on the same server between steps."""
     run_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "megatron_rl.train", "--run-dir", str(run_dir), "--device", "cpu",
         "--no-progress", "--rollout-engine", "sglang", "--sglang-url", server.url,
         "--sglang-return-routed-experts", "--routing-replay", "r3",
         "--weight-sync-transport", "distributed", "--train-iters", str(LEARN_STEPS),
-        "--torch-threads", "1",
+        "--torch-threads", "1", "--eval-interval", "10", "--eval-before-train",
     ]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    evaluated = [r for r in rows if "eval/mean@8" in r]
+    assert [r["step"] for r in evaluated] == list(range(0, LEARN_STEPS + 1, 10))
+    assert all(0 <= r["eval/mean@8"] <= r["eval/pass@8"] <= 1 for r in evaluated)
+    assert all(r["eval/aborted"] == 0 and r["eval/builtin/response_length"] > 0 for r in evaluated)
+    rows = [r for r in rows if "accuracy" in r]  # the training steps (not the step-0 evaluation)
     assert len(rows) == LEARN_STEPS
     first = sum(r["accuracy"] for r in rows[:5]) / 5
     last = sum(r["accuracy"] for r in rows[-5:]) / 5
@@ -216,7 +222,8 @@ def test_the_trainer_learns_against_the_real_server_with_r3(server, tmp_path):
     print(
         f"real SGLang + R3: accuracy {first:.2f} -> {last:.2f}; median |train - rollout| "
         f"log-prob gap {gap:.2e}; behaviour routing agreement median {median_agreement:.4f}, "
-        f"lowest {lowest_agreement:.4f}"
+        f"lowest {lowest_agreement:.4f}; held-out mean@8 "
+        + " ".join(f"{r['eval/mean@8']:.2f}" for r in evaluated)
     )
     assert last >= first + 0.3, (first, last)
     # bf16 engine against fp32 trainer: measured medians 0.98-0.99 and single steps down to 0.92
