@@ -63,7 +63,8 @@ def _flags(text: str) -> tuple[str, ...]:
 
 # EPIC (Li et al. 2026, arXiv 2610.29999), Table 2 ("Configurations of the main Qwen3-30B-A3B-Base
 # experiments") and Sec. 9.2-9.3: the five baselines and EPIC with each method's clipping
-# parameters, plus GRPO Clip-Higher with R2 / R3 routing replay (Sec. 9.5).
+# parameters, EPIC's calibration ablation (App. 10.4), and GRPO Clip-Higher with R2 / R3 routing
+# replay (Sec. 9.5).
 EPIC_PAPER = Recipe(
     source="EPIC, arXiv 2610.29999, Table 2 and Sec. 9.2-9.5",
     arms={
@@ -73,6 +74,13 @@ EPIC_PAPER = Recipe(
         "ctpo": _flags("--loss ctpo --clip-low 0.025 --clip-high 0.05"),
         "ripo": _flags("--loss ripo --delta-low 0.05 --delta-high 0.05"),
         "epic": _flags("--loss epic --delta-low 5e-4 --delta-high 2e-3"),
+        # the calibration ablation (App. 10.4, Table 3)
+        "epic-raw-prob": _flags(
+            "--loss epic --delta-low 5e-4 --delta-high 2e-3 --variant raw-prob"
+        ),
+        "epic-cumulative-ratio": _flags(
+            "--loss epic --delta-low 5e-4 --delta-high 2e-3 --variant cumulative-ratio"
+        ),
         # GRPO Clip-Higher (DAPO's decoupled upper bound) with vanilla / rollout routing replay
         "grpo-r2": _flags("--loss grpo --clip-low 0.2 --clip-high 0.28 --routing-replay r2"),
         "grpo-r3": _flags("--loss grpo --clip-low 0.2 --clip-high 0.28 --routing-replay r3"),

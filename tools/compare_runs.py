@@ -27,8 +27,8 @@ the optional parts only when not the default):
 * ``--rollout-dtype``: the in-process engine's dtype (default: the preset's).
 
 ``--recipe epic-paper`` (or ``vespo-paper``; `megatron_rl/recipes.py`): the arms are the paper's
-(``--losses`` picks among them, default all: e.g. ``grpo dapo gspo ctpo ripo epic grpo-r2
-grpo-r3``), each with its table's objective and the shared protocol (sampling, dynamic sampling,
+(``--losses`` picks among them, default all: e.g. ``grpo dapo gspo ctpo ripo epic
+epic-raw-prob epic-cumulative-ratio grpo-r2 grpo-r3``), each with its table's objective and the shared protocol (sampling, dynamic sampling,
 evaluation every few steps on the built-in held-out set, KL, warmup) at this study's scale (the
 embedded model's batch, staleness and learning rate); ``--replay`` is the recipe's. The summary
 then adds the final held-out ``eval/mean@k``.

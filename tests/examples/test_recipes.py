@@ -23,7 +23,9 @@ EPIC_TABLE_2 = {
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
     "ctpo": {"clip_low": 0.025, "clip_high": 0.05},
     "ripo": {"delta_low": 0.05, "delta_high": 0.05},
-    "epic": {"delta_low": 5e-4, "delta_high": 2e-3},
+    "epic": {"delta_low": 5e-4, "delta_high": 2e-3, "variant": "dual"},
+    "epic-raw-prob": {"delta_low": 5e-4, "delta_high": 2e-3, "variant": "raw-prob"},
+    "epic-cumulative-ratio": {"delta_low": 5e-4, "delta_high": 2e-3, "variant": "cumulative-ratio"},
     "grpo-r2": {"clip_low": 0.2, "clip_high": 0.28},
     "grpo-r3": {"clip_low": 0.2, "clip_high": 0.28},
 }
