@@ -41,6 +41,7 @@ def _collectives_worker(rank, world_size, init_method, tmp_dir) -> None:
     collectives.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_gloo_ranks_agree_sum_and_average():
     import tempfile

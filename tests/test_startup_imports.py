@@ -30,6 +30,7 @@ _NOT_ON_STARTUP_PATH = (
 )
 
 
+@pytest.mark.slow
 def test_importing_the_run_module_leaves_unneeded_packages_unimported():
     code = (
         "import json, sys\n"

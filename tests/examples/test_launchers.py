@@ -257,6 +257,7 @@ def _node0(tmp_path: Path, markers: tuple[int, ...], **env) -> subprocess.Popen:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_node0_names_the_nodes_it_cannot_see(tmp_path):
     stale = tmp_path / "run" / ".nodes"
     process = _node0(tmp_path, markers=(1,), NODE_WAIT_S="1")
@@ -298,6 +299,7 @@ def _wait_for_torchrun(tmp_path: Path, process: subprocess.Popen) -> int:
     return int(pid_file.read_text())
 
 
+@pytest.mark.slow
 def test_the_heartbeat_beats_while_node0_lives_and_stops_with_it(tmp_path):
     """Even when node 0's script dies without its traps (SIGKILL), the beats stop, so the
     serving nodes' heartbeat timeout ends them."""

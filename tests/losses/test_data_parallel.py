@@ -78,6 +78,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_rank_data_parallel_matches_full_batch_gradient():
     cases = [
         ("grpo", "seq-mean-token-mean"),

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from memory_plan_testing import ROOT, load_tool
 
 from megatron_rl.memory_plan import GIB, PHASE_GRAD_CHECK
@@ -45,6 +46,7 @@ def test_cli_pipeline_flags_and_offload(capsys):
     assert "host memory per GPU of this stage" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_cli_json_smoke():
     result = subprocess.run(
         [

@@ -100,6 +100,7 @@ def test_a_server_dying_between_generation_and_sync_is_dropped(servers, weights)
         assert generated_on(a) - before == len(PROMPTS)
 
 
+@pytest.mark.slow
 def test_a_server_dying_during_a_distributed_sync_is_dropped_in_bounded_time(servers, weights):
     a, b = start(servers, 2)
     calls = []
@@ -129,6 +130,7 @@ def test_a_server_dying_during_a_distributed_sync_is_dropped_in_bounded_time(ser
     assert took < 45.0 and total < 90.0  # far from the 120 s group timeout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_a_dropped_server_rejoins_only_after_a_full_sync(servers, weights, transport):
     a, b = start(servers, 2)

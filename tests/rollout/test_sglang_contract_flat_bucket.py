@@ -129,6 +129,7 @@ def _load_like_sglang(entry: str) -> list[tuple[str, torch.Tensor]]:
     return loaded
 
 
+@pytest.mark.slow
 def test_tensor_payload_is_a_handle_that_an_unrelated_process_maps():
     """A fresh interpreter (no shared multiprocessing authkey, as an SGLang server) decodes the
     payload with SGLang's code and reads the tensors from shared memory; the payload itself is

@@ -73,6 +73,7 @@ def test_health_timeouts_allow_sglangs_health_handler():
     assert "self.health_delay_s = 1.0" in loopback.read_text(encoding="utf-8")
 
 
+@pytest.mark.slow
 def test_pool_and_launch_see_a_server_whose_health_takes_seconds(servers):
     """The old 2 s pool probe and 1 s launch probe both call this server dead."""
     (server,) = servers(1)

@@ -175,6 +175,7 @@ def _sync(server_url: str, engine, version: int):
     return sync
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_restarted_trainer_syncs_again_and_close_tears_the_group_down(servers):
     from rollout_testing import make_engine
@@ -201,6 +202,7 @@ def test_a_restarted_trainer_syncs_again_and_close_tears_the_group_down(servers)
     assert status == 400 and answer["success"] is False  # SGLang's answer for an unknown group
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_failed_group_creation_destroys_both_halves(servers):
     from rollout_testing import make_engine

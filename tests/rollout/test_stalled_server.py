@@ -93,6 +93,7 @@ def drop_the_stalled_one(client, weights, stalled) -> None:
     assert client.membership_metrics()["rollout/servers_out"] == 1.0
 
 
+@pytest.mark.slow
 def test_steps_beside_a_stalled_server_never_wait_on_it(servers, weights, caplog, record_property):
     healthy_only, up, stalled = start(servers, 3)
     stalled.before_request = hang
@@ -127,6 +128,7 @@ def test_steps_beside_a_stalled_server_never_wait_on_it(servers, weights, caplog
     )
 
 
+@pytest.mark.slow
 def test_a_stalled_server_rejoins_after_a_full_sync_once_it_answers(servers, weights, caplog):
     up, stalled = start(servers, 2)
     stalled.before_request = hang
@@ -157,6 +159,7 @@ def test_a_stalled_server_rejoins_after_a_full_sync_once_it_answers(servers, wei
         assert stalled.requests.count("/generate") > before
 
 
+@pytest.mark.slow
 def test_a_request_to_a_server_that_stalls_mid_run_is_retried_elsewhere(servers, weights):
     up, stalling = start(servers, 2)
     with client_for([up, stalling], health_timeout_s=10.0, liveness_interval_s=0.3) as client:

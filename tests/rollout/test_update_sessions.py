@@ -79,6 +79,7 @@ def test_servers_without_sessions_are_synced_without_them(servers, shared_engine
     assert old.requests.count("/update_weights_from_tensor") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", SESSION_TRANSPORTS)
 def test_a_sync_failing_midway_closes_its_session_and_the_next_succeeds(servers, transport):
     shared_engine = make_engine()
@@ -138,6 +139,7 @@ def test_model_info_falls_back_to_the_deprecated_route(servers):
     assert pool.model_info(server.url) and server.requests.count("/model_info") == 1
 
 
+@pytest.mark.slow
 def test_the_client_waits_for_servers_that_start_late(shared_engine):
     """Servers listen only once their model is loaded: the first sync must not race them."""
     server = LoopbackServer(shared_engine)

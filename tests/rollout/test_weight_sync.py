@@ -84,6 +84,7 @@ def test_in_process_update_from_megatron_matches_megatron_logprobs(trainer):
     assert engine.generate(PROMPTS, SamplingParams(max_new_tokens=2))[0].weight_version == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["disk", "tensor", "distributed"])
 def test_transport_syncs_versions_and_matches_megatron(trainer, servers, tmp_path, transport):
     engine = make_engine(seed=0)
@@ -151,6 +152,7 @@ def test_a_bad_tensor_fails_the_sync_on_disk(trainer, servers, tmp_path):
     assert engine.weight_version == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["disk", "tensor", "distributed"])
 def test_nan_is_refused_by_the_sender_before_it_reaches_a_server(
     trainer, servers, tmp_path, transport

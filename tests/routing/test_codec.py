@@ -260,6 +260,7 @@ def test_packed_decode_equals_colex_enumeration(num_experts, topk):
     assert decoded.tolist() == [list(c) for c in colex]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("num_experts", "topk"),
     [

@@ -57,6 +57,7 @@ def test_invalid_layout_names_the_field():
         local_counts(ParallelConfig(), 0, 10, 7, 48)
 
 
+@pytest.mark.slow
 def test_routing_memory_tool_prints_table_4_numbers():
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(

@@ -110,6 +110,7 @@ def _check(tmp_path, world_size):
         assert result["router_grad"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", [False, True])
 def test_r3_routes_from_hf_replay_exactly_at_world_size_1(tmp_path, recompute):
     _prepare(tmp_path, recompute)

@@ -52,6 +52,7 @@ def _calls(path: Path) -> list[str]:
     return sorted(path.read_text().split("\n")[:-1]) if path.exists() else []
 
 
+@pytest.mark.slow
 def test_an_interrupted_study_reruns_only_unfinished_runs(tmp_path, monkeypatch, capsys):
     calls = tmp_path / "calls.txt"
     monkeypatch.setenv("CALLS", str(calls))

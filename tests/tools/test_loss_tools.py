@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from paper_losses import PAPER_LOSSES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,6 +20,7 @@ def _run(*args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_loss_report_writes_a_picture_per_loss_and_the_table(tmp_path):
     stdout = _run("tools/loss_report.py", "--out", str(tmp_path))
     for name in PAPER_LOSSES:
@@ -32,6 +34,7 @@ def test_loss_report_writes_a_picture_per_loss_and_the_table(tmp_path):
     assert table.count("1.000 / 1.000") >= len(PAPER_LOSSES)
 
 
+@pytest.mark.slow
 def test_bench_losses_times_every_registered_loss():
     stdout = _run("tools/bench_losses.py", "--batch", "4", "--seq-len", "256", "--repeats", "3")
     for name in PAPER_LOSSES:

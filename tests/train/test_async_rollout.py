@@ -118,6 +118,7 @@ def test_sync_and_async_steps_share_one_body(tmp_path, monkeypatch):
             assert first_async[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
+@pytest.mark.slow
 def test_fifty_async_steps_train_every_prompt_once_within_the_staleness_bound(
     tmp_path, monkeypatch
 ):
@@ -181,6 +182,7 @@ def test_a_stop_after_the_rollout_redraws_its_prompts(tmp_path, monkeypatch):
     assert [s["prompts"] for s in recorder.steps] == expected
 
 
+@pytest.mark.slow
 def test_resume_mid_run_continues_from_the_last_trained_batch(tmp_path, monkeypatch):
     """(c) the prompt sequence of a resumed async run equals the uninterrupted run's."""
     recorder = _Recorder(monkeypatch)
@@ -230,6 +232,7 @@ def test_async_run_logs_the_async_metrics(tmp_path):
     assert rows[1]["async/staleness_mean"] == 1.0
 
 
+@pytest.mark.slow
 def test_async_rollouts_through_the_sglang_http_client(tmp_path):
     """The SGLang client's HTTP calls run in the generation thread just as well (the CPU loopback
     server stands in for SGLang; weights synced through the disk transport)."""

@@ -142,6 +142,7 @@ def _config(tmp_path, name, **overrides):
     return small_config(tmp_path / name, **dict(values, **overrides))
 
 
+@pytest.mark.slow
 def test_async_run_resumes_like_the_uninterrupted_synchronous_run(tmp_path):
 
     from trainer_testing import rendezvous
@@ -161,6 +162,7 @@ def test_async_run_resumes_like_the_uninterrupted_synchronous_run(tmp_path):
     _assert_same_step(sync_ckpt / "step_00000003", async_ckpt / "step_00000003")
 
 
+@pytest.mark.slow
 def test_the_run_ends_only_after_its_last_save_is_committed(tmp_path, monkeypatch):
     from trainer_testing import rendezvous
 
@@ -175,6 +177,7 @@ def test_the_run_ends_only_after_its_last_save_is_committed(tmp_path, monkeypatc
     assert pending_save() is None
 
 
+@pytest.mark.slow
 def test_a_new_save_commits_the_pending_one_and_an_abandoned_one_commits_nothing(
     ws1, tmp_path, monkeypatch
 ):

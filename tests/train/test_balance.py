@@ -40,6 +40,7 @@ def _check_partition(parts, n, k):
     assert flat == list(range(n))
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(weights=weights_st, k=st.integers(min_value=1, max_value=4))
 def test_karmarkar_karp_spread_bound_and_brute_force(weights, k):

@@ -117,6 +117,7 @@ def _damaged_copy(pristine, tmp_path, fmt: str, kind: str):
     return root, DAMAGE[kind](root / STEP2), step1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fmt", "kind"), CASES)
 def test_damage_to_the_latest_step_is_a_named_error_that_modifies_nothing(
     tiny, pristine, tmp_path, fmt, kind

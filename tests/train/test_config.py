@@ -158,6 +158,7 @@ def test_from_flags_takes_the_flags_values_and_refuses_unknown_names():
     assert TrainConfig.from_flags() == parse_args([])
 
 
+@pytest.mark.slow
 def test_help_answers_without_importing_megatron_or_transformers():
     import subprocess
     import sys

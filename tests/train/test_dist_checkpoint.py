@@ -96,6 +96,7 @@ def test_torch_dist_round_trip_and_format_detection(ws1, tmp_path):
     assert load_training_state(save_dir, model=model2, optimizer=optimizer2, step=1) == {"step": 1}
 
 
+@pytest.mark.slow
 def test_torch_dist_save_killed_before_commit_leaves_no_loadable_step(ws1, tmp_path, monkeypatch):
     from megatron_rl.train import checkpoint
 
@@ -171,6 +172,7 @@ def test_torch_dist_round_trip_with_the_non_distributed_optimizer(ws1, tmp_path)
     assert max((resumed[k] - expected[k]).abs().max().item() for k in expected) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "optimizer",
     [{}, {"use_distributed_optimizer": True, "bf16": True}],

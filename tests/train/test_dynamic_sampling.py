@@ -174,6 +174,7 @@ def _dp_worker(rank, world_size, init_method, tmp_dir) -> None:
         json.dump(result, handle)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_data_parallel_ranks_end_with_equal_shares_of_the_same_batch(tmp_path):
     """Each rank trains on half of the batch one rank would select from the same draws."""
@@ -231,6 +232,7 @@ def test_the_trainer_trains_on_full_batches_when_half_the_groups_have_zero_varia
     assert sum(r["dynamic_sampling/groups_dropped_zero_variance"] for r in rows) > 0
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_resumes_with_the_same_prompts(tmp_path, monkeypatch):
     """The sampler position after the refill rounds is what a checkpoint records."""
     reward = _half_constant_reward(tmp_path, monkeypatch)

@@ -92,6 +92,7 @@ def _train_recording(config, dist_kwargs: dict, monkeypatch) -> set[str]:
     return used
 
 
+@pytest.mark.slow
 def test_the_trainer_uses_exactly_the_protocol(tmp_path, monkeypatch):
     """Sync and async steps with the in-process engine, then async steps against the SGLang
     client (the loopback server stands in for SGLang): the engine attributes the trainer reads

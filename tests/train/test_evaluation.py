@@ -262,6 +262,7 @@ def test_math_eval_sets_are_scored_with_math_verify(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- runs
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", [{}, {"async_rollout": True}], ids=["sync", "async"])
 def test_a_run_with_evaluation_trains_bit_identically_and_evaluates_at_its_steps(
     tmp_path, schedule, monkeypatch
@@ -295,6 +296,7 @@ class _Killed(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_a_resumed_run_evaluates_at_the_same_steps_with_the_same_results(tmp_path, monkeypatch):
     flags = dict(train_iters=4, eval_interval=2, eval_before_train=True, save_interval=2)
     straight = small_config(tmp_path / "a", save=str(tmp_path / "a" / "ckpt"), **flags)
@@ -363,6 +365,7 @@ def test_two_data_parallel_ranks_split_the_prompts_and_agree(tmp_path):
     assert _eval_part(one).keys() == _eval_part(twos[0]).keys()
 
 
+@pytest.mark.slow
 def test_the_cli_evaluates_every_interval(tmp_path):
     held = tmp_path / "zeros.jsonl"
     held.write_text(

@@ -244,6 +244,7 @@ def test_no_positions_give_empty_results(ws1):
     assert token_entropy(leaf.detach(), chunk_tokens=2).shape == (BATCH, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_transient_memory_is_a_few_chunks_not_tokens_x_vocab(ws1, temperature):
     # [1, 2048, 8192] float32 logits: tokens x vocab is 64 MiB, a 256-token tile 8 MiB. The old

@@ -91,6 +91,7 @@ def test_config_rejects_unknown_wandb_mode(tmp_path):
         _config(tmp_path, wandb_mode="offlin")
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_is_created_under_run_dir_and_resumed(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     for name, value in {

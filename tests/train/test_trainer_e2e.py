@@ -76,6 +76,7 @@ def test_routing_replay_modes_run_and_report_state_and_agreement(tmp_path, repla
     assert os.path.exists(tmp_path / "run" / "learning_curve.png")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "optimizer",
     [{}, {"use_distributed_optimizer": True, "bf16": True}],
@@ -108,6 +109,7 @@ def _latest_model_file(folder):
     return folder / f"step_{step:08d}" / "model_rank00000.pt"
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_exits_cleanly(tmp_path):
     config = small_config(tmp_path, train_iters=5000, save=str(tmp_path / "ckpt"))
     timer = threading.Timer(8.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -137,6 +139,7 @@ def test_a_stop_request_is_served_within_one_update(tmp_path):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_a_kl_term_to_the_frozen_reference_starts_at_zero_and_grows(tmp_path):
     run(small_config(tmp_path, kl_coef=0.05, train_iters=3), **rendezvous(tmp_path))
     rows = _metrics(tmp_path)
@@ -238,6 +241,7 @@ def test_non_finite_updates_are_skipped_then_stop_the_run_with_a_checkpoint(tmp_
     assert int((tmp_path / "ckpt" / "latest").read_text()) == len(rows) == 2
 
 
+@pytest.mark.slow
 def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
     """The same trainer against SGLang's HTTP API: the loopback stand-in (fast; the real SGLang
     server runs the trainer in tests/rollout/test_real_sglang.py) backed by an in-process
@@ -268,6 +272,7 @@ def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_corrupted_checkpoint_stops_the_resume_or_falls_back_with_the_flag(tmp_path):
     save = str(tmp_path / "ckpt")
     run(small_config(tmp_path, train_iters=2, save=save, save_interval=1), **rendezvous(tmp_path))
