@@ -3,7 +3,9 @@
 Each arm runs ``torchrun --nproc-per-node 2 -m megatron_rl.train`` as a user would (not a test
 harness) and checks the exit code and the metrics file: both steps written, finite losses, and
 the routing metrics of every MoE layer of the model (global layer numbers) on every layout, so
-a pipeline stage that reports only its own layers fails here. The arms cross the layouts with
+a pipeline stage that reports only its own layers fails here. Every arm also evaluates on the
+held-out prompts and every other one refills its batches by dynamic sampling, so their
+collectives run on every layout. The arms cross the layouts with
 routing replay (off / r2 / r3 / r3 record-only), sync and async rollouts and the KL term (the
 full suite, `make test`; the fast lane keeps the harness tests of the same layouts).
 """
@@ -33,6 +35,9 @@ DP2 = ("--use-distributed-optimizer", "--overlap-grad-reduce")
 R2, R3 = ("--routing-replay", "r2"), ("--routing-replay", "r3")
 RECORD = (*R3, "--routing-record-only")
 ASYNC, KL = ("--async-rollout",), ("--kl-coef", "0.01")
+# every arm evaluates (before the first step and after each) and every other one refills its
+# batch by dynamic sampling: both run collectives over the layout's groups
+EVAL, DYNAMIC = ("--eval-interval", "1", "--eval-before-train"), ("--dynamic-sampling",)
 
 LAYOUTS = {"pp2": PP2, "pp2-uneven": UNEVEN, "tp2sp": TP2, "ep2": EP2, "dp2-distopt-overlap": DP2}
 REPLAYS = {"off": (), "r2": R2, "r3": R3, "r3record": RECORD}
@@ -44,9 +49,11 @@ def _arms() -> dict[str, tuple[tuple[str, ...], bool]]:
     arms = {}
     for i, (layout, layout_flags) in enumerate(LAYOUTS.items()):
         for j, (replay, replay_flags) in enumerate(REPLAYS.items()):
-            use_async, use_kl = (i + j) % 2 == 1, (i + j) % 3 == 0
-            extra = (ASYNC if use_async else ()) + (KL if use_kl else ())
-            name = "-".join([layout, replay] + ["async"] * use_async + ["kl"] * use_kl)
+            use_async, use_kl, use_dynamic = (i + j) % 2 == 1, (i + j) % 3 == 0, j % 2 == 1
+            extra = (ASYNC if use_async else ()) + (KL if use_kl else ()) + EVAL
+            extra += DYNAMIC if use_dynamic else ()
+            parts = ["async"] * use_async + ["kl"] * use_kl + ["dyn"] * use_dynamic
+            name = "-".join([layout, replay, *parts])
             arms[name] = (layout_flags + replay_flags + extra, True)
     return arms
 
@@ -77,7 +84,13 @@ def test_the_cli_under_torchrun_runs_the_layout(arm, four_layers, tmp_path):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    evaluated = [r for r in rows if "eval/mean@8" in r]
+    assert [r["step"] for r in evaluated] == list(range(STEPS + 1)), rows
+    assert all(0 <= r["eval/mean@8"] <= r["eval/pass@8"] <= 1 for r in evaluated)
+    rows = [r for r in rows if "grad_norm" in r or r["step"] > 0]  # the step rows
     assert len(rows) == STEPS
+    if "--dynamic-sampling" in flags:
+        assert all(r["dynamic_sampling/groups_drawn"] >= 4 for r in rows)
     for row in rows:
         bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad and "grad_norm" in row, bad or sorted(row)
