@@ -28,10 +28,10 @@ the optional parts only when not the default):
 
 ``--recipe epic-paper`` (or ``vespo-paper``; `megatron_rl/recipes.py`): the arms are the paper's
 (``--losses`` picks among them, default all: e.g. ``grpo dapo gspo ctpo ripo epic
-epic-raw-prob epic-cumulative-ratio grpo-r2 grpo-r3``), each with its table's objective and the shared protocol (sampling, dynamic sampling,
-evaluation every few steps on the built-in held-out set, KL, warmup) at this study's scale (the
-embedded model's batch, staleness and learning rate); ``--replay`` is the recipe's. The summary
-then adds the final held-out ``eval/mean@k``.
+epic-raw-prob epic-cumulative-ratio grpo-r2 grpo-r3``), each with its table's objective and the
+shared protocol (sampling, dynamic sampling, evaluation every few steps on the built-in held-out
+set, KL, warmup) at this study's scale (the embedded model's batch, staleness and learning
+rate); ``--replay`` is the recipe's. The summary then adds the final held-out ``eval/mean@k``.
 
 ``--preset mismatch``: ``--model tiny-mismatch --rollout-dtype bfloat16``. The engine computes in
 bf16 while the trainer computes in fp32; tiny-mismatch (64 experts, top-8, 4 layers) has 64 close

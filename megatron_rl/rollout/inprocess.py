@@ -6,6 +6,30 @@ extra tokens are dropped) until every row of the batch is done. Stopping: a toke
 ``stop_token_ids`` (kept as the last response token, finish reason "stop") or
 ``max_new_tokens`` ("length"); like SGLang with ``ignore_eos``, the model's own EOS token is not
 special, pass it in ``stop_token_ids``.
+
+Pausing at a weight update (partial rollouts), as SGLang's ``/pause_generation`` does
+(``PauseGenerationReqInput.mode`` in ``srt/managers/io_struct.py``, ``Scheduler.pause_generation``
+in ``srt/managers/scheduler.py``, SGLang >= 0.5.6). `InProcessEngine.pause` takes effect at the
+next decode-step boundary (after a step's tokens are recorded, so every row holds >= 1 token):
+
+* ``"abort"``: the unfinished rows of the running calls end at once with finish reason
+  ``"abort"`` and the tokens generated so far (SGLang's abort mode aborts every request and
+  returns its partial output);
+* ``"in_place"``: the running calls park with their KV cache and release the engine lock, so
+  `update_weights` (`load_weights_in_place`, `set_version`) can run; after `resume` they go on
+  decoding over the old KV cache (SGLang keeps the requests in the running batch with their KV);
+* ``"retract"``: they park likewise, and on `resume` first recompute the KV cache of prompt +
+  tokens so far with the current weights (SGLang moves them to the waiting queue, frees their
+  KV and prefills them again), so every later token sees only the new weights.
+
+Calls that arrive while paused wait for `resume` (SGLang's tokenizer manager holds them), as do
+the later chunks (``max_batch_size``) of a running call. Every sample reports per-segment weight
+versions, ``weight_versions = ((version, start, end), ...)`` over its response tokens, computed as
+SGLang's ``compute_weight_version_spans`` (``srt/utils/weight_versions.py``, SGLang >= 0.5.19):
+one span when no update happened during the sample, and ``weight_version`` is the oldest. A call
+that is never paused runs the same forwards and draws as before pausing existed: bit-identical.
+Pauses are per ``scope`` (any hashable; ``None`` by default): the loopback server passes itself,
+so several stand-in servers over one engine pause independently, as real servers do.
 """
 
 from __future__ import annotations
@@ -16,7 +40,7 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -31,6 +55,8 @@ from megatron_rl.routing import CODECS, RoutingCodec
 logger = logging.getLogger(__name__)
 
 ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
+_PARKED_POLL_S = 0.02  # a parked or waiting call re-checks its pause this often (lock released)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -39,7 +65,10 @@ class InProcessEngineConfig:
 
     ``dtype="bfloat16"`` casts the weights (synced weights too), reproducing the train/inference
     mismatch of bf16 serving. ``routing_codec``: the `RoutingCodec` dtype routes are stored in.
-    ``logprob_mode``: see `megatron_rl.rollout.sampling`.
+    ``logprob_mode``: see `megatron_rl.rollout.sampling`. ``pause_mode``: None (default), an
+    `InProcessEngine.update_weights` during a running ``generate`` waits for it to end; one of
+    `PAUSE_MODES`, the update pauses the running calls in that mode first and resumes them after
+    (what the SGLang weight sync does with ``WeightSyncConfig.pause_mode``).
     """
 
     dtype: str = "float32"
@@ -49,6 +78,7 @@ class InProcessEngineConfig:
     logprob_mode: str = "temperature"
     pad_token_id: int = 0
     initial_version: int = 0
+    pause_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ENGINE_DTYPES:
@@ -69,13 +99,19 @@ class InProcessEngineConfig:
                 f"InProcessEngineConfig.logprob_mode={self.logprob_mode!r}: choose one of "
                 f"{LOGPROB_MODES}"
             )
+        if self.pause_mode is not None and self.pause_mode not in PAUSE_MODES:
+            raise ValueError(
+                f"InProcessEngineConfig.pause_mode={self.pause_mode!r}: None or one of "
+                f"{PAUSE_MODES}"
+            )
 
 
 class InProcessEngine:
     """`RolloutEngine` over a transformers ``Qwen3MoeForCausalLM`` held in this process.
 
     Thread-safe: one lock serialises generation and weight updates (the loopback HTTP server
-    calls it from several threads).
+    calls it from several threads); a call parked by `pause` (or waiting for `resume`) does not
+    hold it.
     """
 
     def __init__(self, model: Qwen3MoeForCausalLM, config: InProcessEngineConfig | None = None):
@@ -91,6 +127,13 @@ class InProcessEngine:
         )
         self._version = self.config.initial_version
         self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)  # parked calls wait here, lock released
+        # pause state, per scope, guarded by `_state` (read without it at step boundaries)
+        self._state = threading.Condition()
+        self._pauses: dict[Hashable, str] = {}  # scope -> pause mode
+        self._abort_epochs: dict[Hashable, int] = {}  # scope -> aborts so far
+        self._busy: dict[Hashable, int] = {}  # scope -> calls computing (admitted, not parked)
+        self._parked: dict[Hashable, int] = {}  # scope -> calls parked by a pause
         forward_args = inspect.signature(type(self.model).forward).parameters
         # transformers >= 5.2x calls the KV cache ``cache``; older ones ``past_key_values``.
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
@@ -123,7 +166,8 @@ class InProcessEngine:
         return 0.0
 
     def take_aborted(self) -> int:
-        """0: the in-process engine never aborts a sample."""
+        """0: the in-process engine generates no sample again (a pause in ``abort`` mode or
+        `abort_all` returns the partial samples with finish reason ``"abort"``)."""
         return 0
 
     def membership_metrics(self) -> dict[str, float]:
@@ -147,7 +191,7 @@ class InProcessEngine:
         """
         if not isinstance(version, int):
             raise ValueError(f"version={version!r}: must be an int")
-        with self._lock:
+        with self._paused_for_update(), self._lock:
             staged = hf_weights.stage_weights(self.model, named_tensors)
             hf_weights.apply_staged(staged)
             self._version = version
@@ -168,6 +212,114 @@ class InProcessEngine:
     def set_version(self, version: int) -> None:
         with self._lock:
             self._version = int(version)
+
+    # ------------------------------------------------------------------ pause / resume
+    def pause(self, mode: str = "abort", *, scope: Hashable = None) -> None:
+        """Pause the calls of ``scope`` at their next decode-step boundary (module docstring).
+
+        Returns once none of them is computing: each is parked (``in_place``, ``retract``), has
+        ended its unfinished rows (``abort``) or is done; calls of other scopes go on. Until
+        `resume`, new calls of ``scope`` wait. Pausing again changes the mode (``abort`` also
+        ends the calls parked so far, as SGLang's abort reaches retracted requests).
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: choose one of {PAUSE_MODES}")
+        with self._state:
+            self._pauses[scope] = mode
+            if mode == "abort":
+                self._abort_epochs[scope] = self._abort_epochs.get(scope, 0) + 1
+            self._state.wait_for(lambda: self._busy.get(scope, 0) == 0)
+        self._poke()
+
+    def resume(self, *, scope: Hashable = None) -> None:
+        """End the pause of ``scope``: parked calls go on (``retract``: after recomputing their
+        KV cache with the current weights), waiting calls start. A no-op when not paused."""
+        with self._state:
+            self._pauses.pop(scope, None)
+        self._poke()
+
+    def abort_all(self, *, scope: Hashable = None) -> None:
+        """End the unfinished rows of every running or parked call of ``scope`` at its next
+        step boundary with finish reason ``"abort"`` (SGLang's ``abort_all``); returns at once
+        and leaves the pause state as it is."""
+        with self._state:
+            self._abort_epochs[scope] = self._abort_epochs.get(scope, 0) + 1
+        self._poke()
+
+    def paused(self, scope: Hashable = None) -> str | None:
+        """The pause mode of ``scope``, or None."""
+        return self._pauses.get(scope)
+
+    def parked(self, scope: Hashable = None) -> int:
+        """How many calls of ``scope`` are parked by a pause right now."""
+        with self._state:
+            return self._parked.get(scope, 0)
+
+    @contextlib.contextmanager
+    def _paused_for_update(self) -> Iterator[None]:
+        """``config.pause_mode`` around an update, unless the caller already paused."""
+        mode = self.config.pause_mode
+        if mode is None or self.paused() is not None:
+            yield
+            return
+        self.pause(mode)
+        try:
+            yield
+        finally:
+            self.resume()
+
+    def _poke(self) -> None:
+        """Wake parked and waiting calls now if the engine lock is free (else they see the
+        change within `_PARKED_POLL_S`): pause changes never wait on the engine lock, which a
+        call of another scope may hold for its whole generation."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._wake.notify_all()
+            finally:
+                self._lock.release()
+
+    def _admit(self, scope: Hashable) -> int:
+        """Wait (engine lock released) while ``scope`` is paused, then count the call as
+        computing; the abort epoch it starts in. Caller holds the engine lock."""
+        while True:
+            with self._state:
+                if scope not in self._pauses:
+                    self._busy[scope] = self._busy.get(scope, 0) + 1
+                    return self._abort_epochs.get(scope, 0)
+            self._wake.wait(timeout=_PARKED_POLL_S)
+
+    def _leave(self, scope: Hashable) -> None:
+        with self._state:
+            self._busy[scope] -= 1
+            self._state.notify_all()
+
+    def _hold(self, scope: Hashable, epoch: int) -> str | None:
+        """At a step boundary: "abort" (end the unfinished rows), or after parking while
+        ``scope`` is paused, the mode it was parked in ("in_place" or "retract"); None when
+        there was nothing to do. Caller holds the engine lock; parking releases it."""
+        mode = None
+        with self._state:
+            if self._abort_epochs.get(scope, 0) != epoch:
+                return "abort"
+            if scope not in self._pauses:
+                return None
+            self._busy[scope] -= 1
+            self._parked[scope] = self._parked.get(scope, 0) + 1
+            self._state.notify_all()
+        try:
+            while True:
+                with self._state:
+                    if self._abort_epochs.get(scope, 0) != epoch:
+                        return "abort"
+                    now = self._pauses.get(scope)
+                    if now is None:
+                        return mode
+                    mode = now
+                self._wake.wait(timeout=_PARKED_POLL_S)
+        finally:
+            with self._state:
+                self._parked[scope] -= 1
+                self._busy[scope] += 1
 
     def checksums(self, names: Iterable[str]) -> dict[str, float]:
         """Per-tensor checksums of the engine's current weights (`hf_weights.checksums`)."""
@@ -190,7 +342,9 @@ class InProcessEngine:
         *,
         n: int = 1,
         return_routed_experts: bool = False,
+        scope: Hashable = None,
     ) -> list[RolloutSample]:
+        """``scope``: the pause scope of this call (`pause`)."""
         check_generate_args(prompts, n, self.vocab_size)
         seed = params.seed
         rows = [
@@ -202,7 +356,7 @@ class InProcessEngine:
         with self._lock:
             for start in range(0, len(rows), self.config.max_batch_size):
                 chunk = rows[start : start + self.config.max_batch_size]
-                samples.extend(self._generate_rows(chunk, params, return_routed_experts))
+                samples.extend(self._generate_chunk(chunk, params, return_routed_experts, scope))
         return samples
 
     def generate_one(
@@ -212,6 +366,7 @@ class InProcessEngine:
         *,
         sample_seed: int | None,
         return_routed_experts: bool = False,
+        scope: Hashable = None,
     ) -> RolloutSample:
         """One sample drawn with generator seed ``sample_seed`` (SGLang's ``sampling_seed``).
 
@@ -221,15 +376,25 @@ class InProcessEngine:
         check_generate_args([prompt], 1, self.vocab_size)
         with self._lock:
             rows = [(0, 0, list(map(int, prompt)), sample_seed)]
-            return self._generate_rows(rows, params, return_routed_experts)[0]
+            return self._generate_chunk(rows, params, return_routed_experts, scope)[0]
 
     # ------------------------------------------------------------------ internals
+    def _generate_chunk(self, rows, params, want_routes: bool, scope: Hashable):
+        """`_generate_rows` once ``scope`` is not paused, counted as computing meanwhile."""
+        epoch = self._admit(scope)
+        try:
+            return self._generate_rows(rows, params, want_routes, scope, epoch)
+        finally:
+            self._leave(scope)
+
     @torch.no_grad()
     def _generate_rows(
         self,
         rows: list[tuple[int, int, list[int], int | None]],
         params: SamplingParams,
         want_routes: bool,
+        scope: Hashable = None,
+        epoch: int = 0,
     ) -> list[RolloutSample]:
         device = self.config.device
         batch = len(rows)
@@ -250,6 +415,9 @@ class InProcessEngine:
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
         reasons: list[str | None] = [None] * batch
+        version = self._version
+        changes: list[list[tuple[int, int]]] = [[] for _ in rows]  # (old version, tokens by then)
+        fed: list[torch.Tensor] = []  # [B, 1] per decoding step: what retract recomputes
         capture = RouteCapture(self.model, batch) if want_routes else None
         with capture if capture is not None else contextlib.nullcontext():
             step_ids, step_pos = input_BT, position_BT
@@ -277,8 +445,20 @@ class InProcessEngine:
                 if all(r is not None for r in reasons):
                     break
                 step_ids = next_B[:, None]
+                fed.append(step_ids)
                 step_pos = step_pos[:, -1:] + 1
                 mask_BT = torch.cat([mask_BT, torch.ones_like(mask_BT[:, :1])], dim=1)
+                if self._pauses or self._abort_epochs.get(scope, 0) != epoch:  # a step boundary
+                    held = self._hold(scope, epoch)
+                    if held == "abort":
+                        reasons = [r or "abort" for r in reasons]
+                        break
+                    if self._version != version:  # as SGLang's record_weight_version_events
+                        for b in range(batch):
+                            changes[b].append((version, len(tokens[b])))
+                        version = self._version
+                    if held == "retract":
+                        cache = self._recompute_cache(input_BT, fed, mask_BT, capture)
         routes_BTLK = capture.routes_BTLK() if capture is not None else None
         samples = []
         for b, (i, j, prompt, _) in enumerate(rows):
@@ -287,6 +467,7 @@ class InProcessEngine:
                 first = width - lengths[b]
                 rows_TLK = routes_BTLK[b, first : width + len(tokens[b]) - 1]
                 blob = self.codec.encode(rows_TLK)
+            spans = version_spans(changes[b], version, len(tokens[b]))
             sample = RolloutSample(
                 prompt_index=i,
                 sample_index=j,
@@ -294,12 +475,57 @@ class InProcessEngine:
                 response_ids_R=torch.tensor(tokens[b], dtype=torch.long),
                 logprobs_R=torch.tensor(logprobs[b], dtype=torch.float32),
                 finish_reason=reasons[b] or "length",
-                weight_version=self._version,
+                weight_version=spans[0][0],
+                weight_versions=spans,
                 routes=blob,
             )
             sample.check(num_moe_layers=self.num_moe_layers)
             samples.append(sample)
         return samples
+
+    def _recompute_cache(self, input_BT, fed, mask_BT, capture) -> DynamicCache:
+        """A new KV cache of every position fed so far (the padded prompts and all decoding
+        inputs but the pending one), computed with the current weights: retract's re-prefill.
+
+        The routes captured so far are replaced by this forward's (SGLang records routes per KV
+        slot, so a re-prefilled position reports the routing that computed its new KV).
+        """
+        ids_BT = torch.cat([input_BT, *fed[:-1]], dim=1)
+        mask_BT = mask_BT[:, :-1]
+        cache = DynamicCache(config=self.model.config)
+        if capture is not None:
+            capture.steps.clear()
+        self.model(
+            input_ids=ids_BT,
+            attention_mask=mask_BT,
+            position_ids=(mask_BT.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        return cache
+
+
+def version_spans(
+    changes: Sequence[tuple[int, int]], current: int, num_tokens: int
+) -> tuple[tuple[int, int, int], ...]:
+    """``((version, start, end), ...)`` covering ``num_tokens`` response tokens in order.
+
+    ``changes``: per weight-version change during the sample, ``(version before it, tokens
+    generated by then)``; ``current``: the version at the end. Empty segments are dropped and
+    adjacent equal versions merged: SGLang's ``compute_weight_version_spans``
+    (``srt/utils/weight_versions.py``).
+    """
+    spans: list[list[int]] = []
+    for version, end in [*changes, (current, num_tokens)]:
+        end = min(end, num_tokens)
+        if spans and end <= spans[-1][2]:
+            continue
+        if spans and version == spans[-1][0]:
+            spans[-1][2] = end
+            continue
+        spans.append([version, spans[-1][2] if spans else 0, end])
+    return tuple((v, start, end) for v, start, end in spans)
 
 
 def _record(next_B, lp_B, tokens, logprobs, reasons, stop, max_new_tokens) -> None:

@@ -43,6 +43,28 @@ body and ends matching requests with ``finish_reason`` ``abort``; a failed weigh
 version update is HTTP 400 with ``success: false``; ``/pause_generation`` and
 ``/continue_generation`` answer ``{"message": ..., "status": "ok"}``. Query parameters are passed
 to the handlers merged into the payload.
+
+Pausing, as SGLang 0.5.23 (``srt/managers/tokenizer_manager.py`` ``pause_generation``,
+``srt/managers/scheduler.py`` ``pause_generation``, ``flush_cache``, ``is_fully_idle``,
+``srt/managers/scheduler_components/flush_wrapper.py``, ``weight_updater.py``):
+``/pause_generation`` takes ``{"mode": "abort" | "retract" | "in_place"}`` (default ``abort``;
+another value is HTTP 422). ``abort`` ends this server's running ``/generate`` calls with
+``finish_reason`` ``abort`` and their partial tokens, answering once none runs; ``retract`` and
+``in_place`` park them at the next decode step (`InProcessEngine.pause`, scoped to this
+server) and answer at once. New ``/generate`` calls wait until ``/continue_generation``.
+``/flush_cache`` (``timeout`` 0) succeeds during a ``retract`` pause with only retracted requests
+(the scheduler ignores its waiting queue while paused; ``flush_ignores_retracted = False`` plays
+a release before 0.5.21, which counts them), and is refused while any request is parked in
+``in_place`` mode; with a ``timeout`` > 0 it waits for an empty server, retracted requests
+included (the flush wrapper's idle check), and answers "Timed out waiting for idle state.".
+Weight updates flush after loading unless the payload says ``flush_cache: false``; where that
+flush is refused they load, move the version and answer HTTP 400 ("Weights were updated, but the
+cache was not flushed ..."). ``/update_weight_version`` aborts every request unless
+``abort_all_requests`` is false (SGLang's default is true); ``/abort_request`` still ends only
+stalled requests (the client's tests count exactly those). ``meta_info.weight_versions`` reports
+the segments of every answer as SGLang >= 0.5.19 does (``srt/utils/weight_versions.py``,
+``add_weight_versions_to_meta_info``: ``[{"version", "start", "end"}]``, versions as strings),
+and ``meta_info.weight_version`` is then the newest segment's version.
 """
 
 from __future__ import annotations
@@ -64,7 +86,7 @@ import torch
 
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.flat_bucket import FLATTENED
-from megatron_rl.rollout.inprocess import InProcessEngine
+from megatron_rl.rollout.inprocess import PAUSE_MODES, InProcessEngine
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.weight_group import GroupMemberProcess
 
@@ -87,6 +109,8 @@ class LoopbackServer:
         self.health_check_timeout_s = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT: 503 after this
         self.sessions = True  # False: an SGLang release before /begin_weight_update (404)
         self.tp_size = 1  # what /server_info reports
+        self.flush_ignores_retracted = True  # False: a release before 0.5.21 (see the docstring)
+        self.pause_mode: str | None = None  # the mode of /pause_generation, until continued
         self._session_open = False
         self.aborts: list[dict] = []  # /abort_request payloads, in order (tests inspect them)
         self._running: dict[int, str | None] = {}  # /generate in progress: id -> rid
@@ -152,8 +176,8 @@ class LoopbackServer:
             "/end_weight_update": self._end_session,
             "/flush_cache": self._flush,
             "/abort_request": self._abort,
-            "/pause_generation": lambda p: (200, self._pause(paused=True)),
-            "/continue_generation": lambda p: (200, self._pause(paused=False)),
+            "/pause_generation": self._pause,
+            "/continue_generation": self._continue,
             "/generate": self._generate,
             "/update_weights_from_disk": self._from_disk,
             "/update_weights_from_tensor": self._from_tensor,
@@ -190,10 +214,45 @@ class LoopbackServer:
         time.sleep(self.health_delay_s)
         return 200, None
 
-    def _pause(self, *, paused: bool) -> dict:
-        (self._resume.clear if paused else self._resume.set)()
-        word = "paused" if paused else "continued"
-        return {"message": f"Generation {word} successfully.", "status": "ok"}
+    def _pause(self, payload: dict) -> tuple[int, object]:
+        mode = payload.get("mode", "abort")
+        if mode not in PAUSE_MODES:  # FastAPI's validation of the Literal field
+            return 422, {"detail": "mode: Input should be 'abort', 'retract' or 'in_place'"}
+        with self._state:
+            self.pause_mode = mode
+            self._resume.clear()
+            self._state.notify_all()
+        if mode == "abort":
+            # SGLang's tokenizer manager: abort_all, again every second, until none runs. An
+            # engine pause left by an earlier retract / in_place pause is lifted after the first
+            # abort (its parked calls end; calls admitted meanwhile start and meet the next one)
+            self._abort_everything()
+            self.engine.resume(scope=self)
+            while True:
+                self._abort_everything()
+                with self._state:
+                    if self._state.wait_for(lambda: not self._running, timeout=1.0):
+                        break
+        else:
+            self.engine.pause(mode, scope=self)
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def _continue(self, payload: dict) -> tuple[int, object]:
+        self.engine.resume(scope=self)
+        with self._state:
+            self.pause_mode = None
+            self._resume.set()
+            self._state.notify_all()
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def _idle(self, *, waiting_counts: bool) -> bool:
+        """No request is running (SGLang's ``is_fully_idle``). A ``retract`` pause moved them to
+        the waiting queue, which counts only with ``waiting_counts`` (the flush wrapper's check,
+        and releases before 0.5.21). Caller holds ``_state``."""
+        if not self._running:
+            return True
+        retracted = self.pause_mode == "retract" and self.flush_ignores_retracted
+        return retracted and not waiting_counts
 
     def _flush(self, payload: dict) -> tuple[int, object]:
         timeout = float(payload.get("timeout", 0.0))
@@ -204,7 +263,12 @@ class LoopbackServer:
                 return 400, "Another flush_cache is already in progress."
             self._flushing = True
             try:
-                idle = self._state.wait_for(lambda: not self._running, timeout=timeout)
+                if timeout > 0:  # the flush wrapper waits for is_fully_idle(), waiting included
+                    idle = self._state.wait_for(
+                        lambda: self._idle(waiting_counts=True), timeout=timeout
+                    )
+                else:
+                    idle = self._idle(waiting_counts=False)
             finally:
                 self._flushing = False
         if not idle:
@@ -218,6 +282,21 @@ class LoopbackServer:
             "or waiting requests, the operation will not be performed.)\n"
         )
 
+    def _flush_after_update(self, payload: dict, answer: tuple[int, object]) -> tuple[int, object]:
+        """SGLang's ``flush_cache_after_weight_update``: a successful update whose flush is
+        refused (requests running, or parked in place) fails, its weights and version kept."""
+        if answer[0] != 200 or not payload.get("flush_cache", True):
+            return answer
+        with self._state:
+            idle = self._idle(waiting_counts=False)
+        if idle:
+            return answer
+        message = (
+            "Weights were updated, but the cache was not flushed because requests are still "
+            "running or queued. Retract or finish them, then call /flush_cache."
+        )
+        return 400, {"success": False, "message": message}
+
     def _abort(self, payload: dict) -> tuple[int, object]:
         self.aborts.append(dict(payload))
         rid, everything = payload.get("rid") or "", bool(payload.get("abort_all", False))
@@ -227,10 +306,18 @@ class LoopbackServer:
             self._state.notify_all()
         return 200, None
 
+    def _abort_everything(self) -> None:
+        """End every request of this server: stalled ones, and real generations at their next
+        decode step (parked ones too), each answering ``finish_reason`` ``abort``."""
+        with self._state:
+            self._aborted |= set(self._running)
+            self._state.notify_all()
+        self.engine.abort_all(scope=self)
+
     def _track(self, payload: object) -> int:
         """Count a /generate as running (until `_untrack`); its key for `_stalled`."""
         rid = payload.get("rid") if isinstance(payload, dict) else None
-        with self._state:
+        with self._state:  # re-entrant: `_generate` holds it
             key = id(object()) ^ threading.get_ident()
             while key in self._running:
                 key += 1
@@ -254,9 +341,10 @@ class LoopbackServer:
     def _generate(self, payload: dict) -> tuple[int, object]:
         # paused: the request waits before it is scheduled (SGLang holds it in the tokenizer
         # manager), so it does not count as running for /flush_cache
-        if not self._resume.wait(timeout=60):
-            return 503, {"error": "generation paused for more than 60 s"}
-        key = self._track(payload)
+        with self._state:
+            if not self._state.wait_for(lambda: self.pause_mode is None, timeout=60):
+                return 503, {"error": "generation paused for more than 60 s"}
+            key = self._track(payload)  # admitted and counted at once: no pause in between
         try:
             return self._generate_now(payload)
         finally:
@@ -276,16 +364,23 @@ class LoopbackServer:
         ids = [int(t) for t in payload["input_ids"]]
         routes = bool(payload.get("return_routed_experts", False))
         sample = self.engine.generate_one(
-            ids, params, sample_seed=sampling.get("sampling_seed"), return_routed_experts=routes
+            ids,
+            params,
+            sample_seed=sampling.get("sampling_seed"),
+            return_routed_experts=routes,
+            scope=self,
         )
         out = sample.response_ids_R.tolist()
+        finish = {"type": sample.finish_reason}
+        if sample.finish_reason == "abort":  # SGLang's FINISH_ABORT of a running request
+            finish.update(message="Aborted", status_code=None, err_type=None)
         meta = {
             "id": payload.get("rid"),
-            "finish_reason": {"type": sample.finish_reason},
+            "finish_reason": finish,
             "prompt_tokens": len(ids),
             "completion_tokens": len(out),
             "cached_tokens": 0,
-            "weight_version": str(sample.weight_version),
+            **weight_version_meta(sample.weight_versions),
         }
         if payload.get("return_logprob"):
             lps = sample.logprobs_R.tolist()
@@ -337,8 +432,8 @@ class LoopbackServer:
         return 400, {"success": False, "message": message}
 
     def _update_version(self, payload: dict) -> tuple[int, object]:
-        if payload.get("abort_all_requests"):
-            self._abort({"abort_all": True})
+        if payload.get("abort_all_requests", True):  # UpdateWeightVersionReqInput's default
+            self._abort_everything()
         try:
             self.engine.set_version(int(payload["new_version"]))
         except (KeyError, TypeError, ValueError) as err:  # SGLang: HTTP 400, success false
@@ -359,7 +454,9 @@ class LoopbackServer:
         except (OSError, ValueError) as err:  # SGLang: HTTP 400 with success false
             return 400, {"success": False, "message": f"{type(err).__name__}: {err}"}
         self._commit(payload)
-        return 200, {"success": True, "message": f"loaded {count} tensors"}
+        return self._flush_after_update(
+            payload, (200, {"success": True, "message": f"loaded {count} tensors"})
+        )
 
     def _from_tensor(self, payload: dict) -> tuple[int, object]:
         if refused := self._refused_outside_session("update_weights_from_tensor"):
@@ -377,7 +474,9 @@ class LoopbackServer:
         except ValueError as err:
             return 400, {"success": False, "message": str(err)}
         self._commit(payload)
-        return 200, {"success": True, "message": f"loaded {count} tensors"}
+        return self._flush_after_update(
+            payload, (200, {"success": True, "message": f"loaded {count} tensors"})
+        )
 
     def _init_group(self, payload: dict) -> tuple[int, object]:
         # Like an SGLang TP worker: its own process joins the group through the project's
@@ -419,7 +518,9 @@ class LoopbackServer:
         except ValueError as err:
             return 200, {"success": False, "message": str(err)}
         self._commit(payload)
-        return 200, {"success": True, "message": f"loaded {count} tensors"}
+        return self._flush_after_update(
+            payload, (200, {"success": True, "message": f"loaded {count} tensors"})
+        )
 
     def _destroy_group(self, payload: dict) -> tuple[int, object]:
         member = self.weight_groups.pop(payload.get("group_name", "weight_update_group"), None)
@@ -476,6 +577,8 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(app.stall_s)
         if fault == "503":
             status, body = 503, {"error": "injected 503"}
+        elif payload is None and path in _BODY_REQUIRED:  # SGLang 0.5.23 answers 400 (measured)
+            status, body = 400, {"detail": "a JSON body is required"}
         else:
             try:
                 status, body = app.handle(path, payload or {})
@@ -494,6 +597,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+
+_BODY_REQUIRED = ("/pause_generation", "/continue_generation")  # ``Body()`` parameters
+
+
+def weight_version_meta(spans) -> dict:
+    """``meta_info`` fields for a sample's ``((version, start, end), ...)`` segments, as SGLang's
+    ``add_weight_versions_to_meta_info`` writes them: ``weight_versions`` (versions as strings)
+    and ``weight_version``, the newest segment's."""
+    segments = [{"version": str(v), "start": start, "end": end} for v, start, end in spans]
+    return {"weight_versions": segments, "weight_version": segments[-1]["version"]}
 
 
 def _aborted_answer(payload: object) -> dict:
@@ -569,6 +683,13 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="override the preset's vocabulary (the trainer's tiny policy: its tokenizer's, "
+        "rounded up to 8 x TP; the built-in task: 16)",
+    )
+    parser.add_argument(
         "--torch-threads", type=int, default=None, help="intra-op threads (default: auto)"
     )
     args = parser.parse_args()
@@ -576,8 +697,14 @@ def main() -> None:
     from megatron_rl.threads import configure_threads
 
     configure_threads(args.torch_threads)  # the cores left, not torch's one per core
-    engine = InProcessEngine.from_hf_config(preset_config(args.preset), seed=args.seed)
+    overrides = {} if args.vocab_size is None else {"vocab_size": args.vocab_size}
+    hf_config = preset_config(args.preset, **overrides)
+    engine = InProcessEngine.from_hf_config(hf_config, seed=args.seed)
     server = LoopbackServer(engine, port=args.port)
+    # a deeper accept queue than socketserver's 5 (uvicorn, SGLang's server: 2048): a client's
+    # 64 concurrent /generate calls overflow it while generation holds the GIL, and the kernel
+    # resets the extra connections
+    server.httpd.socket.listen(2048)
     logger.info("loopback server on %s", server.url)
     server.httpd.serve_forever()
 

@@ -1,25 +1,32 @@
-"""One-step-off-policy rollouts (``--async-rollout``): generation overlaps training.
+"""Asynchronous rollouts (``--async-rollout``): generation overlaps training, K batches ahead.
 
-The schedule (slime's ``train_async.py``, verl's one-step-off-policy trainer): while step ``k``
-trains on rollout ``k``, rollout ``k + 1`` is generated in the background with the weights of
-version ``v`` (the engine's weights after step ``k - 1``'s sync). The background generation has
-finished before step ``k``'s weight sync starts, and generation of ``k + 2`` starts (at step
-``k + 1``) under version ``v + 1``: every batch is generated under one weight version, and every
-`TrainSample` carries that version (``weight_version``). One batch is in flight, so the trained
-samples are one version behind the trainer's weights (0 at the first step and after a resume,
-where the batch is generated in the foreground).
+The schedule (slime's ``train_async.py``, verl's one-step-off-policy trainer, generalised to K
+batches as AReaL's bounded staleness): ``K = --max-staleness`` rollouts are drawn ahead of the
+trainer and generated in the background, one after another, by a producer thread on each
+generator rank, while the trainer trains. With K = 1 (the default), rollout ``k + 1`` generates
+while step ``k`` trains; with K = 2 rollout ``k + 2`` may start as soon as ``k + 1`` is done, and
+so on: generation waits for the trainer only when K batches are ready. Before each weight sync
+the running generation finishes and no other starts until the sync is done, so every batch is
+generated under one weight version, which every `TrainSample` carries (``weight_version``). A
+batch drawn at step ``k`` is trained at step ``k + K`` at the latest, so the trained samples are
+at most K versions behind the trainer's weights (0 at the first step and after a resume, where
+the batch is generated in the foreground).
 
 Bounded staleness: a batch more than ``--max-staleness`` versions behind the trainer's current
 weights (when it is about to be trained on) is dropped and generated again, for the same
-prompts, with the current weights (metric ``async/dropped_batches``). With one batch in flight
-and ``S >= 1`` this does not happen in a normal run; it guards against a batch that waited
-while the weights moved more than once (an extra sync between steps, a resumed or replayed
-schedule).
+prompts, with the current weights (metric ``async/dropped_batches``). In a normal run this does
+not happen; it guards against a batch that waited while the weights moved more often (an extra
+sync between steps, a resumed or replayed schedule).
 
-Partial rollouts (interrupting a running batch at a sync and finishing it under the new
-weights, so that one sample spans several versions) are not done: the in-process engine holds
-its lock for a whole ``generate`` call and has no pause-and-resume of a running batch, and a
-sample generated under one version keeps its behaviour policy well defined for the losses.
+Partial rollouts (``--partial-rollout``): the running batch does not end before the sync; the
+sync pauses it in the engine's pause mode (SGLang ``--sglang-pause-mode retract|in_place``; the
+in-process engine parks its decoding loop at a token boundary), updates the weights and lets it
+continue, so a sample may span versions and carries its per-segment versions
+(``TrainSample.weight_versions``). Its behaviour log-probs are the engine's (enforced at parse
+time), and ``--mask-stale-tokens`` drops tokens more than K versions old from the loss
+(`megatron_rl.train.token_versions`). The staleness guard then looks at each sample's newest
+token. Samples still unfinished when their batch is taken are not carried over to a later step:
+the batch is taken when all of its samples are done.
 
 Behaviour log-probs of stale samples: the policy that generated a sample is version ``v``; the
 old-logprob pass recomputes log-probs with the trainer's current weights (``v + 1``).
@@ -33,17 +40,18 @@ task, one version behind, both choices learned alike within seed-to-seed noise.)
 
 Threads: the generation runs in a Python thread on each generator rank (torch releases the GIL
 inside its ops); the engine's own lock serialises it with weight updates, and the trainer only
-updates the weights after joining the thread. On CPU the trainer counts the generation thread as
-one more local process when it chooses torch's thread count (`megatron_rl.threads`).
+updates the weights after the producer has stopped (`Producer.hold`). On CPU the trainer counts
+the generation thread as one more local process when it chooses torch's thread count
+(`megatron_rl.threads`).
 
-Checkpoints record the sampler position of the last batch trained on: a batch generated in the
-background but not yet trained on is not saved, and is generated again (same prompts and seed,
-the restored weights) after a resume, so no prompt is lost or duplicated.
+Checkpoints record the sampler position of the last batch trained on: batches generated in the
+background but not yet trained on are not saved, and are drawn and generated again (same prompts
+and seeds, the restored weights) after a resume, so no prompt is lost or duplicated.
 """
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import logging
 import threading
 import time
@@ -55,88 +63,151 @@ from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks
 logger = logging.getLogger(__name__)
 
 
-class BackgroundGeneration:
-    """Runs ``fn()`` in a daemon thread; ``join`` returns its result or raises its error."""
+class Producer:
+    """The generator rank's background generation: batches in submission order, one at a time.
 
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.started = time.perf_counter()
-        self.finished: float | None = None
-        self._result: object = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+    ``generate(prompts, index)`` runs in a daemon thread (torch releases the GIL inside its ops).
+    `hold` stops it from starting another batch and waits for the running one (a weight sync
+    then finds the engine idle: one weight version per batch); `release` lets it go on. Errors
+    are re-raised by `result` in the trainer's thread. ``intervals``: ``(start, end)`` of the last
+    16 generations, for the timing metrics (replaced, never mutated: safe to read).
+    """
+
+    def __init__(self, generate: Callable[[list[int], int], object]) -> None:
+        self._generate = generate
+        self._jobs: collections.deque[tuple[int, list[int]]] = collections.deque()
+        self._results: dict[int, tuple[object, BaseException | None]] = {}
+        self._cond = threading.Condition()
+        self._open, self._busy, self._stopped = True, False, False
+        self.intervals: list[tuple[float, float]] = []
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="rollout-producer")
         self._thread.start()
 
-    def _run(self, fn) -> None:
-        try:
-            self._result = fn()
-        except BaseException as error:  # re-raised in the trainer's thread by join
-            self._error = error
-        finally:
-            self.finished = time.perf_counter()
+    def submit(self, index: int, prompts: list[int]) -> None:
+        with self._cond:
+            self._jobs.append((index, prompts))
+            self._cond.notify_all()
 
-    def join(self) -> object:
+    def result(self, index: int) -> object:
+        """Rollout ``index``'s ``(samples, metrics)``, waiting for it; raises its error."""
+        with self._cond:
+            self._cond.wait_for(lambda: index in self._results)
+            value, error = self._results.pop(index)
+        if error is not None:
+            raise error
+        return value
+
+    def hold(self) -> None:
+        """Start no other batch, and wait for the running one."""
+        with self._cond:
+            self._open = False
+            self._cond.wait_for(lambda: not self._busy)
+
+    def release(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def discard(self) -> None:
+        """Drop the batches not started and the results not taken; wait for the running one."""
+        with self._cond:
+            self._jobs.clear()
+            self._cond.wait_for(lambda: not self._busy)
+            self._results.clear()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._jobs.clear()
+            self._cond.notify_all()
         self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or (self._open and self._jobs))
+                if self._stopped:
+                    return
+                index, prompts = self._jobs.popleft()
+                self._busy = True
+            start, value, error = time.perf_counter(), None, None
+            try:
+                value = self._generate(prompts, index)
+            except BaseException as err:  # re-raised in the trainer's thread by `result`
+                error = err
+            with self._cond:
+                self.intervals.append((start, time.perf_counter()))
+                self._results[index] = (value, error)
+                self._busy = False
+                self._cond.notify_all()
 
 
 @dataclass
-class AsyncState:
-    """The batch of the next step, drawn (and generated, or generating) ahead of it."""
+class PendingBatch:
+    """A rollout drawn ahead of its step (and generating, or queued, on the generator rank)."""
 
-    indices: list[int] | None = None  # prompts of the next rollout (this rank's share)
-    sampler_before: dict | None = None  # sampler state before the next rollout was drawn
-    generation: BackgroundGeneration | None = None
-    result: object = None  # the joined (samples, metrics) of the next rollout
-
-    @property
-    def pending(self) -> bool:
-        return self.indices is not None
-
-    def clear(self) -> None:
-        if self.generation is not None:
-            with contextlib.suppress(Exception):  # a discarded batch's error does not matter
-                self.generation.join()
-        self.indices = self.sampler_before = self.generation = self.result = None
+    index: int
+    prompts: list[int]  # this rank's share
+    sampler_before: dict  # the sampler state before it was drawn
 
 
 class AsyncRollouts:
-    """`RolloutSource` of ``--async-rollout``: rollout ``k + 1`` generates while step ``k``
-    trains (see the module docstring); the first step's batch, and the first after a resume,
-    is generated in the foreground.
+    """`RolloutSource` of ``--async-rollout``: up to ``depth = --max-staleness`` rollouts are
+    drawn ahead and generated in the background, one after another, while the trainer trains
+    (see the module docstring); the first step's batch, and the first after a resume, is
+    generated in the foreground.
 
     Metrics: ``async/staleness_*`` and ``async/dropped_batches`` of the batch taken;
     ``time/generation`` (the generator's seconds generating within the step),
     ``async/overlap_fraction`` (the part of it that overlapped training) and ``time/engine_idle``
     (step time minus generation) as the generator rank saw them; ``time/trainer_idle`` (waiting
-    for the rollout: the foreground fetch at the start, the join at the end).
+    for the rollout: the fetch at the start, the hold before the sync).
     """
 
-    def __init__(self, hooks: RolloutHooks, *, max_staleness: int) -> None:
+    def __init__(
+        self, hooks: RolloutHooks, *, max_staleness: int, last_index: int, partial: bool = False
+    ) -> None:
         self.hooks = hooks
         self.max_staleness = max_staleness
-        self.state = AsyncState()
-        self._generated: list[tuple[float, float]] = []  # generation intervals within the step
-        self._overlapped = 0.0  # seconds of background generation that overlapped training
-        self._joining = 0.0  # seconds spent waiting for the background generation
+        self.partial = partial  # the sync pauses the running batch instead of waiting for it
+        self.depth = max_staleness
+        self.last_index = last_index  # no rollout at or beyond it is drawn (--train-iters)
+        self.pending: collections.deque[PendingBatch] = collections.deque()
+        self.producer = Producer(hooks.generate) if hooks.generate is not None else None
+        self._step_start = 0.0
+        self._train: tuple[float, float] = (0.0, 0.0)
+        self._foreground: list[tuple[float, float]] = []  # generations in the trainer's thread
+        self._waiting = 0.0  # seconds the trainer waited for the rollout
 
     def take(self, index: int, weight_version: int) -> RolloutBatch:
-        """The batch generated ahead (regenerated when more than ``max_staleness`` versions
-        behind ``weight_version``), or generated now when none is pending."""
-        hooks, state = self.hooks, self.state
-        self._generated, self._overlapped, self._joining = [], 0.0, 0.0
-        if not state.pending:  # the first step, or after a resume: generate in the foreground
-            state.sampler_before = hooks.sampler.state_dict()
-            state.indices = hooks.draw()
-            if hooks.generate is not None:
-                state.result = self._generate_now(state.indices, index)
+        """Rollout ``index``: drawn ahead (regenerated when more than ``max_staleness`` versions
+        behind ``weight_version``), or drawn and generated now when none is pending."""
+        hooks = self.hooks
+        self._step_start, self._foreground, self._waiting = time.perf_counter(), [], 0.0
+        if self.pending and self.pending[0].index != index:
+            raise RuntimeError(
+                f"async rollouts: step {index} but the next pending rollout is "
+                f"{self.pending[0].index}; call clear() after changing the step"
+            )
+        if not self.pending:  # the first step, or after a resume: generate in the foreground
+            before = hooks.sampler.state_dict()
+            self.pending.append(PendingBatch(index, hooks.draw(), before))
+            if self.producer is not None:
+                self.producer.submit(index, self.pending[0].prompts)
+        batch = self.pending.popleft()
+        result = None
+        if self.producer is not None:
+            start = time.perf_counter()
+            result = self.producer.result(index)
+            self._waiting += time.perf_counter() - start
         dropped = 0.0
-        if hooks.generate is not None:
-            samples, _ = state.result
-            behind = weight_version - min(s.weight_version for s in samples)
+        if self.producer is not None:
+            samples, _ = result
+            behind = weight_version - min(newest_version(s) for s in samples)
             if behind > self.max_staleness:  # too old: the same prompts, current weights
-                state.result = self._generate_now(state.indices, index)
+                start = time.perf_counter()
+                result = hooks.generate(batch.prompts, index)
+                self._foreground.append((start, time.perf_counter()))
                 dropped = 1.0
                 logger.warning(
                     "step %d: rollout %d versions behind (> --max-staleness %d): regenerated",
@@ -144,66 +215,85 @@ class AsyncRollouts:
                     behind,
                     self.max_staleness,
                 )
-        samples, metrics = hooks.share(state.result)
-        batch = RolloutBatch(
-            samples=samples,
-            metrics=metrics,
-            prompts=list(state.indices),
-            sampler_before=state.sampler_before,
-        )
-        state.indices = state.sampler_before = state.result = None
+        samples, metrics = hooks.share(result)
         versions = [s.weight_version for s in samples]
         metrics.update(staleness_metrics(versions, weight_version, self.max_staleness))
         metrics["async/dropped_batches"] = dropped
-        return batch
-
-    def _generate_now(self, prompts: list[int], index: int):
-        start = time.perf_counter()
-        result = self.hooks.generate(prompts, index)
-        self._generated.append((start, time.perf_counter()))
-        return result
+        return RolloutBatch(
+            samples=samples,
+            metrics=metrics,
+            prompts=list(batch.prompts),
+            sampler_before=batch.sampler_before,
+        )
 
     def start_next(self, index: int) -> None:
-        """Draw rollout ``index``'s prompts and generate them in the background."""
-        hooks, state = self.hooks, self.state
-        state.sampler_before = hooks.sampler.state_dict()
-        state.indices = prompts = hooks.draw()
-        if hooks.generate is not None:
-            generate = hooks.generate
-            state.generation = BackgroundGeneration(lambda: generate(prompts, index))
+        """Draw rollouts ``index .. index + depth - 1`` not drawn yet (none at or beyond
+        ``last_index``) and queue them for the background generation."""
+        hooks = self.hooks
+        drawn = self.pending[-1].index + 1 if self.pending else index
+        for next_index in range(drawn, min(index + self.depth, self.last_index)):
+            before = hooks.sampler.state_dict()
+            batch = PendingBatch(next_index, hooks.draw(), before)
+            self.pending.append(batch)
+            if self.producer is not None:
+                self.producer.submit(next_index, batch.prompts)
 
     def finish(self, train: tuple[float, float]) -> None:
-        """Join the background generation: it ends before the sync (one version per batch)."""
-        start, generation = time.perf_counter(), self.state.generation
-        if generation is not None:
-            self.state.result = generation.join()
-            interval = (generation.started, generation.finished)
-            self._generated.append(interval)
-            self._overlapped = overlap(interval, train)
-            self.state.generation = None
-        self._joining = time.perf_counter() - start
+        """Before the weight sync: the running generation ends first (one version per batch)
+        and none starts until `resume`; with partial rollouts it runs on, and the sync pauses
+        it (the engine's pause mode) and lets it continue under the new weights."""
+        self._train = train
+        if self.producer is not None and not self.partial:
+            start = time.perf_counter()
+            self.producer.hold()
+            self._waiting += time.perf_counter() - start
+
+    def resume(self) -> None:
+        """After the weight sync: the background generation goes on, with the new weights."""
+        if self.producer is not None:
+            self.producer.release()
 
     def step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """The generator rank's timings on every rank (a collective), and ``time/trainer_idle``."""
-        generation = sum(end - begin for begin, end in self._generated)
-        timing = {
-            "time/generation": generation,
-            "async/overlap_fraction": self._overlapped / generation if generation > 0 else 0.0,
-            "time/engine_idle": max(0.0, metrics["time/step"] - generation),
-        }
+        timing = None
+        if self.producer is not None:
+            window = (self._step_start, time.perf_counter())
+            spans = [*self.producer.intervals, *self._foreground]
+            generation = sum(overlap(span, window) for span in spans)
+            overlapped = sum(overlap(span, self._train) for span in self.producer.intervals)
+            timing = {
+                "time/generation": generation,
+                "async/overlap_fraction": overlapped / generation if generation > 0 else 0.0,
+                "time/engine_idle": max(0.0, metrics["time/step"] - generation),
+            }
         out = dict(self.hooks.share(timing))
-        out["time/trainer_idle"] = metrics["time/rollout"] + self._joining
+        out["time/trainer_idle"] = self._waiting
         return out
 
     def trained_sampler_state(self) -> dict:
-        """A batch drawn ahead is not trained on yet: the state from before it was drawn."""
-        if self.state.pending:
-            return dict(self.state.sampler_before)
+        """Batches drawn ahead are not trained on yet: the state from before the first was
+        drawn."""
+        if self.pending:
+            return dict(self.pending[0].sampler_before)
         return self.hooks.sampler.state_dict()
 
     def clear(self) -> None:
-        """Wait for a generation still running (an error mid-step) and drop the batch."""
-        self.state.clear()
+        """Drop the batches drawn ahead (a resume draws them again), after the running one."""
+        self.pending.clear()
+        if self.producer is not None:
+            self.producer.discard()
+            self.producer.release()
+
+    def close(self) -> None:
+        self.clear()
+        if self.producer is not None:
+            self.producer.close()
+
+
+def newest_version(sample) -> int:
+    """The weight version of a sample's newest token (its last span's, else its only one)."""
+    spans = getattr(sample, "weight_versions", ())
+    return max([sample.weight_version, *(version for version, _, _ in spans)])
 
 
 def staleness_metrics(versions: list[int], current: int, max_staleness: int) -> dict[str, float]:

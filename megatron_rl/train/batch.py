@@ -4,6 +4,10 @@ A training sample is prompt + response. The model reads ``tokens[:-1]`` of each 
 ``tokens[1:]``; the log-prob of response token ``j`` (absolute position ``P + j``) comes from the
 logits at position ``P + j - 1``. Everything per token below is aligned to *predicted* positions
 ``[s - 1]`` of the ``[b, s]`` token rows, with ``loss_mask`` true on response tokens only.
+
+A sample generated across weight updates (``--partial-rollout``) carries per-segment versions
+(``weight_versions``); ``token_versions_BT`` holds each response token's version at its predicted
+position (`megatron_rl.train.token_versions`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from megatron_rl.routing import RoutingBlob
 from megatron_rl.routing.passes import RoutedMicroBatch
+from megatron_rl.train.token_versions import NO_VERSION, token_versions
 
 
 @dataclass(slots=True)
@@ -28,8 +33,11 @@ class TrainSample:
     reward: float
     in_loss: bool  # False for zero-variance groups when they are filtered
     routes: RoutingBlob | None = None  # R3: [P + R - 1, L, K]
-    weight_version: int | None = None  # the engine's weight version that generated it
+    weight_version: int | None = None  # the engine's weight version that generated it (oldest)
     truncated: bool = False  # the response was cut at the length limit
+    # per segment of response tokens [start, end): (version, start, end); empty when one version
+    # (``weight_version``) generated every token (see megatron_rl/train/token_versions.py)
+    weight_versions: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def length(self) -> int:
@@ -43,6 +51,9 @@ class MicroBatch:
     tokens_BS: torch.Tensor  # int64 [b, s]
     loss_mask_BT: torch.Tensor  # bool [b, s - 1]: predicted position is a response token
     rollout_logprobs_BT: torch.Tensor  # float32 [b, s - 1] on response positions, else 0
+    # int64 [b, s - 1]: the weight version that generated the predicted response token (-1 where
+    # unknown: a sample without weight_version), -1 outside response positions
+    token_versions_BT: torch.Tensor
     advantages_B: torch.Tensor  # float32 [b]
     lengths: list[int]  # tokens of each row (prompt + response)
     samples: list[TrainSample]
@@ -50,12 +61,13 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> MicroBatch:
         """This micro-batch with every tensor on ``device`` (the model's); samples stay put."""
         return MicroBatch(
-            self.tokens_BS.to(device),
-            self.loss_mask_BT.to(device),
-            self.rollout_logprobs_BT.to(device),
-            self.advantages_B.to(device),
-            self.lengths,
-            self.samples,
+            tokens_BS=self.tokens_BS.to(device),
+            loss_mask_BT=self.loss_mask_BT.to(device),
+            rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
+            token_versions_BT=self.token_versions_BT.to(device),
+            advantages_B=self.advantages_B.to(device),
+            lengths=self.lengths,
+            samples=self.samples,
         )
 
     def routed(self) -> RoutedMicroBatch:
@@ -96,6 +108,7 @@ def make_micro_batch(
                 f"sample {i}: rollout_logprobs {tuple(sample.rollout_logprobs.shape)} must have "
                 f"one log-prob per response token {tuple(sample.response_ids.shape)}"
             )
+    versions = [token_versions(s, f"sample {i}") for i, s in enumerate(samples)]
     lengths = [s.length for s in samples]
     seq = max(lengths)
     seq += (-seq) % multiple_of
@@ -103,6 +116,7 @@ def make_micro_batch(
     tokens = torch.full((batch, seq), pad_id, dtype=torch.int64)
     mask = torch.zeros(batch, seq - 1, dtype=torch.bool)
     rollout = torch.zeros(batch, seq - 1, dtype=torch.float32)
+    versions_BT = torch.full((batch, seq - 1), NO_VERSION, dtype=torch.int64)
     for i, sample in enumerate(samples):
         p, r = sample.prompt_ids.numel(), sample.response_ids.numel()
         tokens[i, :p] = sample.prompt_ids
@@ -110,8 +124,17 @@ def make_micro_batch(
         if sample.in_loss:
             mask[i, p - 1 : p + r - 1] = True
         rollout[i, p - 1 : p + r - 1] = sample.rollout_logprobs
+        versions_BT[i, p - 1 : p + r - 1] = versions[i]
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return MicroBatch(tokens, mask, rollout, advantages, lengths, list(samples))
+    return MicroBatch(
+        tokens_BS=tokens,
+        loss_mask_BT=mask,
+        rollout_logprobs_BT=rollout,
+        token_versions_BT=versions_BT,
+        advantages_B=advantages,
+        lengths=lengths,
+        samples=list(samples),
+    )
 
 
 def split(items: Sequence, size: int) -> list[list]:

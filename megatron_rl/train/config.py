@@ -144,6 +144,28 @@ class TrainConfig:
                 "--enable-return-routed-experts and pass --sglang-return-routed-experts, or use "
                 "--routing-replay r2"
             )
+        objective = self.objective
+        if (
+            self.rollout.partial_rollout
+            and objective.behavior_logprobs == "trainer"
+            and objective.rollout_correction == "none"
+        ):
+            raise ValueError(
+                "--partial-rollout: a sample spanning weight updates has no single trainer-side "
+                "behaviour policy; the engine's per-token log-probs are it. Pass "
+                "--behavior-logprobs rollout, or a --rollout-correction (e.g. tis-token) with "
+                "--behavior-logprobs trainer"
+            )
+        if (
+            self.rollout.partial_rollout
+            and self.engine.kind == "sglang"
+            and self.engine.sglang_pause_mode == "abort"
+        ):
+            raise ValueError(
+                "--partial-rollout with --rollout-engine sglang needs the servers to keep their "
+                "requests across a weight sync: pass --sglang-pause-mode retract (KV recomputed "
+                "with the new weights) or in_place (old KV kept), not abort"
+            )
         samples, batch = self.rollout.samples_per_rollout, self.schedule.global_batch_size
         if samples % batch:
             raise ValueError(

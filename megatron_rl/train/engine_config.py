@@ -10,6 +10,7 @@ from megatron_rl.routing.codec import CODECS
 
 ENGINES = ("local", "sglang")
 WEIGHT_SYNC_TRANSPORTS = ("distributed", "tensor", "disk")
+SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")  # /pause_generation's mode
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +78,14 @@ class EngineConfig:
         "version, sessions) before it leaves the sync and is dropped: what a stalled server "
         "costs, once",
     )
+    sglang_pause_mode: str = option(
+        "abort",
+        choices=SGLANG_PAUSE_MODES,
+        help="how a weight sync pauses the servers' running requests: abort (they end and are "
+        "generated again), retract (kept; their KV is recomputed with the new weights after "
+        "the sync) or in_place (kept with their old KV cache; no cache flush); with retract "
+        "and in_place a sample that outlives a sync records each segment's weight version",
+    )
     weight_sync_min_gbps: float = option(
         1.0,
         help="the slowest weight push (GB/s) that is still healthy: the other ranks wait for "
@@ -88,6 +97,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_choice(self, "kind", ENGINES)
         check_choice(self, "weight_sync_transport", WEIGHT_SYNC_TRANSPORTS)
+        check_choice(self, "sglang_pause_mode", SGLANG_PAUSE_MODES)
         check_choice(self, "rollout_dtype", ("float32", "bfloat16"))
         check_choice(self, "routing_dtype", CODECS)
         check_positive_ints(self, "sglang_engine_ranks", "sglang_min_servers")

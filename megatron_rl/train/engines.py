@@ -33,6 +33,7 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
         master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),  # trainer rank 0's node
         engine_ranks=config.sglang_engine_ranks,
         failure_timeout_s=config.weight_sync_failure_timeout,
+        pause_mode=config.sglang_pause_mode,
     )
     engine_config = SGLangEngineConfig.from_hf_config(
         hf_config,

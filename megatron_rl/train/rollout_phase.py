@@ -83,6 +83,7 @@ def run_rollout(
             routes=s.routes,
             weight_version=s.weight_version,
             truncated=s.finish_reason == "length",
+            weight_versions=tuple(s.weight_versions),  # per segment when it spans an update
         )
         for i, s in enumerate(generated)
     ]

@@ -9,6 +9,7 @@ the previous step trained and starts the next one. The step calls, in this order
                                    sampler goes back to ``batch.sampler_before``)
     start_next(index + 1)          unless the step is the run's last
     finish(train_interval)         before the weight sync: nothing may generate during it
+    resume()                       after the weight sync
     step_metrics(metrics)          the source's own metrics, after the sync (a collective)
 
 On every rank: the generator rank of each model-parallel group generates, the others receive its
@@ -61,6 +62,10 @@ class RolloutSource(Protocol):
         """Called before the weight sync; ``train``: this step's training (start, end)."""
         ...
 
+    def resume(self) -> None:
+        """Called after the weight sync."""
+        ...
+
     def step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """The source's metrics of the step whose ``metrics`` (with ``time/*``) are given."""
         ...
@@ -71,6 +76,10 @@ class RolloutSource(Protocol):
 
     def clear(self) -> None:
         """Drop any batch drawn ahead (a resume draws it again)."""
+        ...
+
+    def close(self) -> None:
+        """Stop any background generation (the trainer closes)."""
         ...
 
 
@@ -97,6 +106,9 @@ class SyncRollouts:
     def finish(self, train: tuple[float, float]) -> None:
         """Nothing runs beside the training."""
 
+    def resume(self) -> None:
+        """Nothing to resume."""
+
     def step_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         return {}
 
@@ -105,3 +117,6 @@ class SyncRollouts:
 
     def clear(self) -> None:
         """Nothing is drawn ahead."""
+
+    def close(self) -> None:
+        """Nothing runs in the background."""

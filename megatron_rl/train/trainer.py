@@ -66,6 +66,7 @@ from megatron_rl.train.rollout_phase import run_rollout
 from megatron_rl.train.rollout_source import RolloutHooks, RolloutSource, SyncRollouts
 from megatron_rl.train.sync_wait import SyncWait, hf_model_bytes, weight_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
+from megatron_rl.train.token_versions import fresh_token_mask, token_staleness_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,7 @@ class Trainer:
         if self.dynamic_sampling is not None:  # drop groups without signal, refill the batch
             batch = self.dynamic_sampling.fill(batch)
         if should_stop is not None and should_stop():
+            self.rollouts.clear()  # batches drawn ahead are drawn again after a resume
             self.sampler.load_state_dict(batch.sampler_before)
             return None
         self.trained_prompts = batch.prompts
@@ -218,6 +220,7 @@ class Trainer:
         self.rollouts.finish(train=(train_start, time.perf_counter()))
         t = time.perf_counter()
         self.sync_weights(version=self.weight_version + 1)
+        self.rollouts.resume()
         metrics["time/sync"] = time.perf_counter() - t
         metrics.update(self.sync_metrics)
         metrics.update(self.replay.metrics())
@@ -249,7 +252,12 @@ class Trainer:
             share=functools.partial(broadcast_object, src=self.mp_src, group=self.mp_group),
         )
         if self.config.rollout.async_rollout:
-            return AsyncRollouts(hooks, max_staleness=self.config.rollout.max_staleness)
+            return AsyncRollouts(
+                hooks,
+                max_staleness=self.config.rollout.max_staleness,
+                last_index=self.config.schedule.train_iters,
+                partial=self.config.rollout.partial_rollout,
+            )
         return SyncRollouts(hooks)
 
     def _dynamic_sampling(self) -> DynamicSampling | None:
@@ -395,6 +403,18 @@ class Trainer:
         flat = [mb for minibatch in batches for mb in minibatch]
         keys = [(j, i) for j, minibatch in enumerate(batches) for i in range(len(minibatch))]
         entries: list[dict | None] = [None] * len(flat)
+        # per-token staleness (megatron_rl/train/token_versions.py): every stage holds the token
+        # versions, so every stage checks them and reports the same keys, before any collective
+        rollout = self.config.rollout
+        metrics.update(
+            token_staleness_metrics(
+                [mb.token_versions_BT for mb in flat],
+                [mb.loss_mask_BT for mb in flat],
+                self.weight_version,
+                rollout.max_staleness,
+                mask_stale=rollout.mask_stale_tokens,
+            )
+        )
         gaps, entropies = [], []
         refs: list = [None] * len(flat)
         if self.reference is not None:
@@ -426,19 +446,30 @@ class Trainer:
         return out
 
     def _behaviour_entry(self, mb: MicroBatch, logits, ref_logprobs) -> dict:
-        """What the updates of one micro-batch need from the old-logprob pass."""
+        """What the updates of one micro-batch need from the old-logprob pass.
+
+        ``--mask-stale-tokens``: tokens more than ``--max-staleness`` versions behind the
+        trainer's version at this pass (``self.weight_version``, which the rollout's N updates
+        share) leave the loss mask before the rollout correction sees it.
+        """
         config = self.config
         old = token_logprobs(logits, mb.tokens_BS, config.rollout.temperature)
         behaviour = (
             old if config.objective.behavior_logprobs == "trainer" else mb.rollout_logprobs_BT
         )
-        entry = {"old": old, "behaviour": behaviour, "mask": mb.loss_mask_BT, "weights": None}
+        mask = mb.loss_mask_BT
+        if config.rollout.mask_stale_tokens:
+            fresh = fresh_token_mask(
+                mb.token_versions_BT, self.weight_version, config.rollout.max_staleness
+            )
+            mask = mask & fresh
+        entry = {"old": old, "behaviour": behaviour, "mask": mask, "weights": None}
         if config.objective.rollout_correction != "none":
             correction = rollout_correction(
                 config.objective.rollout_correction,
                 old_logprobs=old,
                 rollout_logprobs=mb.rollout_logprobs_BT,
-                loss_mask=mb.loss_mask_BT,
+                loss_mask=mask,
             )
             entry.update(weights=correction.weights, mask=correction.loss_mask)
         if ref_logprobs is not None:
@@ -548,7 +579,7 @@ class Trainer:
         self.sync_weights(version=int(state["weight_version"]))
 
     def close(self) -> None:
-        self.rollouts.clear()  # a generation still running (an error mid-step) ends first
+        self.rollouts.close()  # a generation still running (an error mid-step) ends first
         self.replay.close()
         if self.engine is not None:
             self.engine.close()

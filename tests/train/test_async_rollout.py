@@ -289,3 +289,51 @@ def test_the_main_job_learns_with_async_rollouts(tmp_path):
     final = [r["accuracy"] for r in rows[-5:]]
     assert sum(final) / len(final) >= 0.9, final
     assert all(r["async/staleness_mean"] == 1.0 for r in rows[1:])
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_k_batches_ahead_train_every_prompt_once_at_most_k_versions_behind(
+    tmp_path, monkeypatch, depth
+):
+    """``--max-staleness K``: K rollouts are drawn ahead and generated in the background; every
+    prompt is trained once, in draw order, and no sample is more than K versions behind."""
+    recorder = _Recorder(monkeypatch)
+    steps = 8
+    config = _tiny(tmp_path, train_iters=steps, max_staleness=depth)
+    trainer = Trainer(config, **rendezvous(tmp_path))
+    try:
+        expected = _expected_batches(trainer.sampler, 2, steps)
+        rows = [trainer.step() for _ in range(steps)]
+        assert not trainer.rollouts.pending  # nothing drawn beyond --train-iters
+    finally:
+        trainer.close()
+    assert [s["prompts"] for s in recorder.steps] == expected
+    behind = [max(s["trainer_version"] - v for v in s["versions"]) for s in recorder.steps]
+    assert behind[0] == 0 and max(behind) <= depth
+    assert max(behind) >= 2  # the producer ran ahead of the trainer: deeper than one step
+    assert all(r["async/dropped_batches"] == 0 for r in rows)
+    assert all(f"async/staleness_hist/{depth}" in r for r in rows)
+
+
+def test_a_checkpoint_of_a_k_deep_run_records_the_first_batch_not_trained(tmp_path, monkeypatch):
+    """The batches drawn ahead are not in the state: a resume draws them again, in order."""
+    recorder = _Recorder(monkeypatch)
+    trainer = Trainer(_tiny(tmp_path, train_iters=6, max_staleness=3), **rendezvous(tmp_path))
+    try:
+        expected = _expected_batches(trainer.sampler, 2, 6)
+        trainer.step()
+        trainer.step()
+        state = trainer.state_dict()
+        assert len(trainer.rollouts.pending) == 3
+        trainer.load_state_dict(state)  # what a resume does (in the same process)
+        assert not trainer.rollouts.pending
+        for _ in range(4):
+            trainer.step()
+    finally:
+        trainer.close()
+    assert [s["prompts"] for s in recorder.steps] == expected
+
+
+def test_dynamic_sampling_needs_one_batch_ahead():
+    with pytest.raises(ValueError, match="--max-staleness 1 with --dynamic-sampling"):
+        TrainConfig.from_flags(async_rollout=True, max_staleness=2, dynamic_sampling=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 TRANSPORTS = ("distributed", "tensor", "disk")
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
 
 
 class WeightSyncError(RuntimeError):
@@ -27,6 +28,14 @@ class WeightSyncConfig:
     ``group_name``: prefix of the weight-update group's name; every group creation gets its own
     name (`unique_group_name`), so a restarted trainer never collides with a group that a crashed
     run left on the servers.
+    ``pause_mode``: the ``mode`` of ``/pause_generation`` (SGLang >= 0.5.6 has all three).
+    ``abort`` (SGLang's default) ends the running requests (the client generates them again),
+    then flushes the cache; ``retract`` keeps them, their KV cache freed, flushes the prefix
+    cache (SGLang >= 0.5.21 allows that while requests are retracted; an older server keeps it,
+    with a warning) and lets them recompute their KV with the new weights after
+    ``/continue_generation``; ``in_place`` keeps them with their KV cache and skips the flush
+    (SGLang refuses it while requests are parked in place). With ``retract`` and ``in_place`` a
+    request that outlives the sync finishes with ``meta_info.weight_versions`` segments.
     """
 
     transport: str = "distributed"
@@ -41,6 +50,7 @@ class WeightSyncConfig:
     checksum_rtol: float = 1e-6
     group_timeout_s: float = 300.0
     failure_timeout_s: float = 30.0
+    pause_mode: str = "abort"
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -60,6 +70,10 @@ class WeightSyncConfig:
             )
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"WeightSyncConfig.backend={self.backend!r}: 'gloo' or 'nccl'")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(
+                f"WeightSyncConfig.pause_mode={self.pause_mode!r}: choose one of {PAUSE_MODES}"
+            )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -61,6 +61,8 @@ class DiskTransport:
         os.replace(tmp, final)
         self._written.append(final)
         payload = {"model_path": final, "load_format": "auto"}
+        if self.config.pause_mode != "abort":  # the flush after loading fails with requests kept
+            payload["flush_cache"] = False
         self.sync.phase("/update_weights_from_disk", payload, "update_weights_from_disk")
 
     def close(self) -> None:

@@ -1,6 +1,7 @@
-"""One weight sync to the SGLang servers, whatever the transport: pause, flush, the update
-session, the transport's push, the version move and its check, continue; and which servers take
-part (a server that fails leaves the sync and is dropped from the pool)."""
+"""One weight sync to the SGLang servers, whatever the transport: pause (in
+``WeightSyncConfig.pause_mode``), flush, the update session, the transport's push, the version
+move and its check, continue; and which servers take part (a server that fails leaves the sync
+and is dropped from the pool)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class WeightSync:
         self.rejoined_total = 0  # dropped servers admitted again after a full sync
         self.reprobe = Reprober(pool.probe, reprobe or ReprobeConfig())
         self._reported_out: frozenset[str] = frozenset()  # membership last warned about
+        self._stale_prefix_warned: set[str] = set()  # servers that cannot flush when retracted
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -171,17 +173,21 @@ class WeightSync:
         control = self.config.failure_timeout_s
         try:
             self.require()
-            self.phase("/pause_generation", {}, "pause_generation", timeout_s=control)
-            # waits for idle and retries SGLang's 400 (`HttpPool.flush_cache`)
-            self._each(self.pool.flush_cache, "flush_cache")
+            mode = self.config.pause_mode
+            self.phase("/pause_generation", {"mode": mode}, "pause_generation", timeout_s=control)
+            if mode == "abort":  # waits for idle and retries SGLang's 400 (`HttpPool.flush_cache`)
+                self._each(self.pool.flush_cache, "flush_cache")
+            elif mode == "retract":
+                self._each(self._flush_retracted, "flush_cache")
             opened = self._begin_sessions()
             try:
                 self.transport.push(stream, report, version)
             finally:
                 self._end_sessions(opened)
+            # SGLang's default (abort_all_requests=True) would end the paused requests
             self.phase(
                 "/update_weight_version",
-                {"new_version": str(version)},
+                {"new_version": str(version), "abort_all_requests": mode == "abort"},
                 "update_weight_version",
                 timeout_s=control,
             )
@@ -222,6 +228,28 @@ class WeightSync:
             len(self.pool.config.urls),
         )
         return report
+
+    def _flush_retracted(self, url: str) -> None:
+        """One ``/flush_cache?timeout=0`` during a ``retract`` pause: SGLang >= 0.5.21 flushes
+        while only retracted requests wait (its flush wrapper with a timeout > 0 would wait for
+        an empty waiting queue, which never comes). An older server refuses it (HTTP 400): its
+        prefix cache then keeps the prompts' KV from the old weights (the retracted requests
+        recompute their generated tokens only), with one warning per server."""
+        try:
+            self.pool.call_on(
+                url, "POST", "/flush_cache?timeout=0", None, timeout_s=self.config.failure_timeout_s
+            )
+        except ServerError as err:
+            if "HTTP 400" not in str(err):
+                raise
+            if url not in self._stale_prefix_warned:
+                self._stale_prefix_warned.add(url)
+                logger.warning(
+                    "%s refuses /flush_cache while requests are retracted (SGLang < 0.5.21): "
+                    "its prefix cache keeps KV computed by the old weights after this sync (%s)",
+                    url,
+                    str(err)[:200],
+                )
 
     def _continue(self, paused: list[str], timeout_s: float) -> None:
         """``/continue_generation`` on every server this sync paused. A server that left the
