@@ -109,6 +109,7 @@ class LoopbackServer:
         self.health_check_timeout_s = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT: 503 after this
         self.sessions = True  # False: an SGLang release before /begin_weight_update (404)
         self.tp_size = 1  # what /server_info reports
+        self.version = "loopback"  # /server_info's SGLang release (no number: the newest)
         self.flush_ignores_retracted = True  # False: a release before 0.5.21 (see the docstring)
         self.pause_mode: str | None = None  # the mode of /pause_generation, until continued
         self._session_open = False
@@ -171,7 +172,7 @@ class LoopbackServer:
             "/health_generate": self._health,
             "/model_info": lambda p: (200, self._model_info()),
             "/get_model_info": lambda p: (200, self._model_info()),
-            "/server_info": lambda p: (200, {"tp_size": self.tp_size, "version": "loopback"}),
+            "/server_info": lambda p: (200, {"tp_size": self.tp_size, "version": self.version}),
             "/begin_weight_update": self._begin_session,
             "/end_weight_update": self._end_session,
             "/flush_cache": self._flush,

@@ -106,6 +106,7 @@ class TrainConfig:
             "parallel.seed": self.parallel.seed,
             "parallel.tensor_parallel": self.parallel.tensor_parallel,
             "replay.dtype": self.replay.dtype,
+            "rollout.partial_rollout": self.rollout.partial_rollout,
             "logging.run_dir": os.path.join(self.logging.run_dir, "weight_sync"),
             "schedule.train_iters": self.schedule.train_iters,
             "rollout.temperature": self.rollout.temperature,

@@ -92,6 +92,8 @@ class EngineConfig:
         "rank 0's push at most 300 s + 2 x model bytes / this (not the process group's timeout)",
     )
     routing_dtype: str = derived("auto", source="replay.dtype")  # codec of the engine's routes
+    # a sync pauses running generations instead of waiting for them (the in-process engine too)
+    partial_rollout: bool = derived(False, source="rollout.partial_rollout")
     weight_sync_dir: str = derived("runs/latest/weight_sync", source="logging.run_dir")  # disk
 
     def __post_init__(self) -> None:

@@ -16,10 +16,16 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
     if config.kind == "local":
         from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig
 
+        # --partial-rollout: an update parks running generations at a token boundary and lets
+        # them go on under the new weights (in_place keeps their KV cache, retract recomputes it)
+        pause_mode = None
+        if config.partial_rollout:
+            pause_mode = "in_place" if config.sglang_pause_mode == "in_place" else "retract"
         engine_config = InProcessEngineConfig(
             dtype=config.rollout_dtype,
             routing_codec=config.routing_dtype,
             pad_token_id=pad_token_id,
+            pause_mode=pause_mode,
         )
         return InProcessEngine.from_hf_config(hf_config, engine_config, seed=seed)
     from megatron_rl.rollout.http_pool import HttpPoolConfig

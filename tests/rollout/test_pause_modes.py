@@ -27,7 +27,7 @@ from rollout_testing import (
     tiny_config,
     wait_for,
 )
-from sglang_source import load_function
+from sglang_source import class_node, load_function
 from transformers import DynamicCache
 
 from megatron_rl.rollout import InProcessEngineConfig, SamplingParams
@@ -210,10 +210,8 @@ def test_a_row_that_finished_before_the_update_keeps_one_version(update, referen
     done, running = call.result()
     assert _ids(done) == _ids(unpaused[0]) and done.weight_versions == ((0, 0, 2),)
     assert done.weight_version == 0 and done.finish_reason == "stop"
-    assert running.weight_versions[:1] == ((0, 0, AT),) and running.weight_versions[1][:2] == (
-        3,
-        AT,
-    )
+    (first, second) = running.weight_versions
+    assert first == (0, 0, AT) and second == (3, AT, len(_ids(running)))
 
 
 def test_abort_ends_the_running_rows_with_their_partial_tokens_and_holds_new_calls(reference):
@@ -312,6 +310,32 @@ def test_version_spans_are_sglangs_compute_weight_version_spans(changes, current
     )
     want = tuple((s.version, s.start, s.end) for s in sglang(events, current, num_tokens))
     assert version_spans(changes, current, num_tokens) == want
+
+
+def test_the_pause_modes_and_defaults_are_sglangs():
+    """``PauseGenerationReqInput.mode`` (the pinned io_struct.py) is what the engine, the sync
+    and the flag accept, ``abort`` by default; ``/update_weight_version`` aborts every request
+    by default, which is why a retract / in_place sync sends ``abort_all_requests: false``."""
+    import ast
+
+    from megatron_rl.rollout.inprocess import PAUSE_MODES
+    from megatron_rl.rollout.weight_sync.common import PAUSE_MODES as SYNC_MODES
+    from megatron_rl.train.engine_config import SGLANG_PAUSE_MODES
+
+    def field(cls: str, name: str) -> ast.AnnAssign:
+        (node,) = [
+            n
+            for n in class_node("srt/managers/io_struct.py", cls).body
+            if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == name
+        ]
+        return node
+
+    mode = field("PauseGenerationReqInput", "mode")
+    assert tuple(ast.literal_eval(mode.annotation.slice)) == PAUSE_MODES
+    assert PAUSE_MODES == SYNC_MODES == SGLANG_PAUSE_MODES
+    assert ast.literal_eval(mode.value) == "abort" == WeightSyncConfig().pause_mode
+    assert ast.literal_eval(field("UpdateWeightVersionReqInput", "abort_all_requests").value)
+    assert ast.literal_eval(field("UpdateWeightFromDiskReqInput", "flush_cache").value)
 
 
 def test_bad_pause_modes_name_the_field():
@@ -491,12 +515,26 @@ def test_a_retract_sync_to_a_release_before_0_5_21_warns_once_and_keeps_the_requ
     assert len(warnings) == 1
 
 
-def _sync_during_a_sample(mode: str, update, *, old_release: bool = False):
+def test_a_server_before_0_5_19_is_paused_in_abort_mode(update, caplog):
+    """Without ``weight_versions`` a kept request would carry only the newest version: such a
+    server (``/server_info`` version) is synced in abort mode, with one warning."""
+    with caplog.at_level("WARNING", logger="megatron_rl.rollout.weight_sync.sync"):
+        sample, aborted, flushes = _sync_during_a_sample("in_place", update, version="0.5.18")
+    assert aborted == 1 and sample.weight_versions == ((1, 0, 12),) and flushes == 1
+    warnings = [r for r in caplog.records if "before 0.5.19" in r.message]
+    assert len(warnings) == 1 and "0.5.18" in warnings[0].message
+
+
+def _sync_during_a_sample(
+    mode: str, update, *, old_release: bool = False, version: str = "loopback"
+):
     """(the sample, `take_aborted`, /flush_cache calls) of a client sync that comes at token
-    `AT` of a running sample, with ``pause_mode=mode``."""
+    `AT` of a running sample, with ``pause_mode=mode``; ``old_release``: a server before
+    0.5.21 (no flush while requests are retracted); ``version``: its ``/server_info``'s."""
     config = tiny_config()
     server = LoopbackServer(make_engine(seed=0)).start()
     server.flush_ignores_retracted = not old_release
+    server.version = version
     engine_config = SGLangEngineConfig.from_hf_config(
         config,
         http=HttpPoolConfig(urls=(server.url,), request_timeout_s=120.0, backoff_s=0.01),
@@ -510,7 +548,7 @@ def _sync_during_a_sample(mode: str, update, *, old_release: bool = False):
                 AT,
                 lambda: client.update_weights(iter(update[2]), version=1),
                 # abort: the loopback's flag; else the engine's (set after the loopback's)
-                lambda: (server.pause_mode if mode == "abort" else engine.paused(server)) == mode,
+                lambda: server.pause_mode == "abort" or engine.paused(server) == mode,
             )
             (sample,) = client.generate([PROMPT], PARAMS)
             pauser.join()

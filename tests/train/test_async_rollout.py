@@ -337,3 +337,65 @@ def test_a_checkpoint_of_a_k_deep_run_records_the_first_batch_not_trained(tmp_pa
 def test_dynamic_sampling_needs_one_batch_ahead():
     with pytest.raises(ValueError, match="--max-staleness 1 with --dynamic-sampling"):
         TrainConfig.from_flags(async_rollout=True, max_staleness=2, dynamic_sampling=True)
+
+
+def test_partial_rollouts_continue_across_a_sync_with_per_segment_versions(tmp_path, monkeypatch):
+    """``--partial-rollout`` with the in-process engine: a background generation still decoding
+    when the weight sync starts is parked at a token boundary, gets the new weights and goes on,
+    so its samples span two versions and say where. No timing decides it: the producer's first
+    decoding step after step 0 started training waits until a sync pauses the engine, and the
+    sync waits (when the producer has work) until that generation is parked there."""
+    import threading
+
+    config = _tiny(
+        tmp_path,
+        train_iters=4,
+        max_response_length=6,
+        partial_rollout=True,
+        behavior_logprobs="rollout",
+        mask_stale_tokens=True,
+    )
+    trainer = Trainer(config, **rendezvous(tmp_path))
+    engine, producer = trainer.engine, trainer.rollouts.producer
+    armed, held = threading.Event(), threading.Event()
+    real_forward, real_sync = engine.model.forward, trainer.sync_weights
+
+    def forward(*args, **kwargs):
+        on_producer = threading.current_thread().name == "rollout-producer"
+        if on_producer and armed.is_set() and not held.is_set():
+            held.set()
+            while engine.paused() is None:  # until the sync pauses the engine
+                threading.Event().wait(0.001)
+        return real_forward(*args, **kwargs)
+
+    def sync_weights(version):
+        if armed.is_set() and not held.is_set() and (producer._busy or producer._jobs):
+            held.wait()  # the running generation reached the hook: it is in flight now
+        return real_sync(version)
+
+    monkeypatch.setattr(engine.model, "forward", forward)
+    trainer.sync_weights = sync_weights
+    taken = []
+    real_train_on = trainer.train_on
+
+    def train_on(samples, stop=None):  # rollout 0 is taken: later ones generate meanwhile
+        taken.append(samples)
+        armed.set()
+        return real_train_on(samples, stop)
+
+    trainer.train_on = train_on
+    try:
+        rows = [trainer.step() for _ in range(4)]
+    finally:
+        trainer.close()
+    assert held.is_set()
+    spanning = [s for batch in taken for s in batch if len(s.weight_versions) > 1]
+    assert spanning, "no sample generated across a sync spans versions"
+    for sample in spanning:
+        versions = [v for v, _, _ in sample.weight_versions]
+        assert versions == sorted(versions) and versions[-1] == versions[0] + 1
+        assert sample.weight_versions[0][1] == 0
+        assert sample.weight_versions[-1][2] == sample.response_ids.numel()
+        assert sample.weight_version == versions[0]
+    assert max(r["staleness/multi_version_sample_frac"] for r in rows) > 0
+    assert all(r["async/dropped_batches"] == 0 for r in rows)

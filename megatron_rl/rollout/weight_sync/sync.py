@@ -6,6 +6,7 @@ and is dropped from the pool)."""
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterable
@@ -28,6 +29,8 @@ from megatron_rl.rollout.weight_sync.reprobe import ReprobeConfig, Reprober
 from megatron_rl.rollout.weight_sync.tensor import TensorTransport
 
 logger = logging.getLogger(__name__)
+
+SPANS_RELEASE = (0, 5, 19)  # the first SGLang that reports meta_info.weight_versions
 
 TRANSPORT_CLASSES = {
     "distributed": DistributedTransport,
@@ -80,6 +83,7 @@ class WeightSync:
         self.reprobe = Reprober(pool.probe, reprobe or ReprobeConfig())
         self._reported_out: frozenset[str] = frozenset()  # membership last warned about
         self._stale_prefix_warned: set[str] = set()  # servers that cannot flush when retracted
+        self._modes: dict[str, str] = {}  # url -> its pause mode (`pause_mode_for`)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -173,12 +177,14 @@ class WeightSync:
         control = self.config.failure_timeout_s
         try:
             self.require()
-            mode = self.config.pause_mode
-            self.phase("/pause_generation", {"mode": mode}, "pause_generation", timeout_s=control)
-            if mode == "abort":  # waits for idle and retries SGLang's 400 (`HttpPool.flush_cache`)
-                self._each(self.pool.flush_cache, "flush_cache")
-            elif mode == "retract":
-                self._each(self._flush_retracted, "flush_cache")
+            modes = {u: self.pause_mode_for(u) for u in self._live}
+            self.phase(
+                "/pause_generation",
+                [{"mode": modes[u]} for u in self._live],
+                "pause_generation",
+                timeout_s=control,
+            )
+            self._each(lambda u: self._flush(u, modes[u]), "flush_cache")
             opened = self._begin_sessions()
             try:
                 self.transport.push(stream, report, version)
@@ -187,7 +193,10 @@ class WeightSync:
             # SGLang's default (abort_all_requests=True) would end the paused requests
             self.phase(
                 "/update_weight_version",
-                {"new_version": str(version), "abort_all_requests": mode == "abort"},
+                [
+                    {"new_version": str(version), "abort_all_requests": modes[u] == "abort"}
+                    for u in self._live
+                ],
                 "update_weight_version",
                 timeout_s=control,
             )
@@ -228,6 +237,42 @@ class WeightSync:
             len(self.pool.config.urls),
         )
         return report
+
+    def pause_mode_for(self, url: str) -> str:
+        """``config.pause_mode`` for ``url``, but ``abort`` on a release before 0.5.19
+        (``/server_info`` ``version``), which reports no ``weight_versions``: a request kept
+        across the sync would carry only the newest version. Asked once per server (one
+        warning); a server that does not answer its ``/server_info`` keeps the configured mode
+        (its pause fails the sync's usual way)."""
+        mode = self.config.pause_mode
+        if mode == "abort":
+            return mode
+        if url not in self._modes:
+            try:
+                info = self.pool.server_info(url, timeout_s=self.config.failure_timeout_s)
+            except RuntimeError:
+                return mode
+            release = _release(info.get("version"))
+            self._modes[url] = mode
+            if release is not None and release < SPANS_RELEASE:
+                self._modes[url] = "abort"
+                logger.warning(
+                    "%s runs SGLang %s, before 0.5.19, which reports no per-token weight "
+                    "versions: its syncs pause in abort mode, not %s",
+                    url,
+                    info.get("version"),
+                    mode,
+                )
+        return self._modes[url]
+
+    def _flush(self, url: str, mode: str) -> None:
+        """The flush of a server paused in ``mode``: ``abort`` waits for idle and retries
+        SGLang's 400 (`HttpPool.flush_cache`); ``retract``: `_flush_retracted`; ``in_place``:
+        none (SGLang refuses it while requests are parked in place)."""
+        if mode == "abort":
+            self.pool.flush_cache(url)
+        elif mode == "retract":
+            self._flush_retracted(url)
 
     def _flush_retracted(self, url: str) -> None:
         """One ``/flush_cache?timeout=0`` during a ``retract`` pause: SGLang >= 0.5.21 flushes
@@ -358,3 +403,9 @@ class WeightSync:
         self.reprobe.close()
         self.transport.close()
         self.threads.shutdown(wait=False)
+
+
+def _release(version: object) -> tuple[int, int, int] | None:
+    """``"0.5.10.post1"`` -> ``(0, 5, 10)``; None for what is no release number."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", str(version or ""))
+    return None if match is None else tuple(int(g) for g in match.groups())
