@@ -96,6 +96,14 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.ui
 _DTYPES += (torch.int16, torch.int32, torch.int64, torch.bool)
 
 
+class _DeepQueueServer(ThreadingHTTPServer):
+    """A deeper accept queue than socketserver's 5 (uvicorn, under SGLang's server: 2048): a
+    client's 64 concurrent ``/generate`` calls overflow 5 while generation holds the GIL, and the
+    kernel resets the extra connections."""
+
+    request_queue_size = 2048
+
+
 class LoopbackServer:
     """Serve ``engine`` on ``host:port`` (port 0: a free port) from a background thread."""
 
@@ -127,7 +135,7 @@ class LoopbackServer:
         self._hang_epoch = 0  # `release_hung` moves it: the requests held before it close
         self.hung_now = 0  # requests held unanswered by the "hang" fault right now
         handler = type("Handler", (_Handler,), {"app": self})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd = _DeepQueueServer((host, port), handler)
         self.httpd.daemon_threads = True
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -702,10 +710,6 @@ def main() -> None:
     hf_config = preset_config(args.preset, **overrides)
     engine = InProcessEngine.from_hf_config(hf_config, seed=args.seed)
     server = LoopbackServer(engine, port=args.port)
-    # a deeper accept queue than socketserver's 5 (uvicorn, SGLang's server: 2048): a client's
-    # 64 concurrent /generate calls overflow it while generation holds the GIL, and the kernel
-    # resets the extra connections
-    server.httpd.socket.listen(2048)
     logger.info("loopback server on %s", server.url)
     server.httpd.serve_forever()
 

@@ -25,8 +25,10 @@ continue, so a sample may span versions and carries its per-segment versions
 (``TrainSample.weight_versions``). Its behaviour log-probs are the engine's (enforced at parse
 time), and ``--mask-stale-tokens`` drops tokens more than K versions old from the loss
 (`megatron_rl.train.token_versions`). The staleness guard then looks at each sample's newest
-token. Samples still unfinished when their batch is taken are not carried over to a later step:
-the batch is taken when all of its samples are done.
+token. Without ``--carry-over-groups`` a batch is taken when all of its samples are done; with it,
+unfinished groups are carried to the next rollout (`megatron_rl.train.carry_over`), and a batch
+past the staleness bound is trained as it is (its carried groups exist once: generating it again
+would train them twice); ``--mask-stale-tokens`` then keeps its too-old tokens out of the loss.
 
 Behaviour log-probs of stale samples: the policy that generated a sample is version ``v``; the
 old-logprob pass recomputes log-probs with the trainer's current weights (``v + 1``).
@@ -165,11 +167,18 @@ class AsyncRollouts:
     """
 
     def __init__(
-        self, hooks: RolloutHooks, *, max_staleness: int, last_index: int, partial: bool = False
+        self,
+        hooks: RolloutHooks,
+        *,
+        max_staleness: int,
+        last_index: int,
+        partial: bool = False,
+        regenerate_stale: bool = True,
     ) -> None:
         self.hooks = hooks
         self.max_staleness = max_staleness
         self.partial = partial  # the sync pauses the running batch instead of waiting for it
+        self.regenerate_stale = regenerate_stale  # False: a stale batch is trained as it is
         self.depth = max_staleness
         self.last_index = last_index  # no rollout at or beyond it is drawn (--train-iters)
         self.pending: collections.deque[PendingBatch] = collections.deque()
@@ -204,7 +213,15 @@ class AsyncRollouts:
         if self.producer is not None:
             samples, _ = result
             behind = weight_version - min(newest_version(s) for s in samples)
-            if behind > self.max_staleness:  # too old: the same prompts, current weights
+            if behind > self.max_staleness and not self.regenerate_stale:
+                logger.warning(
+                    "step %d: rollout %d versions behind (> --max-staleness %d): trained as it "
+                    "is (carried groups are never generated twice)",
+                    index,
+                    behind,
+                    self.max_staleness,
+                )
+            elif behind > self.max_staleness:  # too old: the same prompts, current weights
                 start = time.perf_counter()
                 result = hooks.generate(batch.prompts, index)
                 self._foreground.append((start, time.perf_counter()))

@@ -38,6 +38,7 @@ class TrainSample:
     # per segment of response tokens [start, end): (version, start, end); empty when one version
     # (``weight_version``) generated every token (see megatron_rl/train/token_versions.py)
     weight_versions: tuple[tuple[int, int, int], ...] = ()
+    prompt_index: int = -1  # its prompt's dataset index (-1: not recorded)
 
     @property
     def length(self) -> int:

@@ -146,13 +146,18 @@ class TrainConfig:
                 "--routing-replay r2"
             )
         objective = self.objective
+        spanning = {
+            "--partial-rollout": self.rollout.partial_rollout,
+            "--carry-over-groups": self.rollout.carry_over_groups > 0,
+        }
+        flag = next((name for name, on in spanning.items() if on), None)
         if (
-            self.rollout.partial_rollout
+            flag is not None
             and objective.behavior_logprobs == "trainer"
             and objective.rollout_correction == "none"
         ):
             raise ValueError(
-                "--partial-rollout: a sample spanning weight updates has no single trainer-side "
+                f"{flag}: a sample spanning weight updates has no single trainer-side "
                 "behaviour policy; the engine's per-token log-probs are it. Pass "
                 "--behavior-logprobs rollout, or a --rollout-correction (e.g. tis-token) with "
                 "--behavior-logprobs trainer"

@@ -53,7 +53,18 @@ def run_rollout(
     return_routes: bool,
 ) -> RolloutResult:
     """Generate ``n`` samples for each record, reward them and compute group advantages."""
-    params = SamplingParams(
+    generated = engine.generate(
+        [list(r.prompt_ids) for r in records],
+        rollout_params(config, tokenizer, seed),
+        n=config.n_samples_per_prompt,
+        return_routed_experts=return_routes,
+    )
+    return score_rollout(generated, records, tokenizer, reward_fn, config, engine=engine)
+
+
+def rollout_params(config: RolloutConfig, tokenizer, seed: int) -> SamplingParams:
+    """The rollout's sampling parameters (the training temperature, the length limit)."""
+    return SamplingParams(
         temperature=config.temperature,
         top_p=config.top_p,
         top_k=config.top_k,
@@ -61,10 +72,22 @@ def run_rollout(
         stop_token_ids=(tokenizer.eos_token_id,),
         seed=seed,
     )
+
+
+def score_rollout(
+    generated: list,
+    records,
+    tokenizer,
+    reward_fn,
+    config: RolloutConfig,
+    *,
+    engine,
+    prompt_indices: list[int] | None = None,
+) -> RolloutResult:
+    """Reward generated samples (``n`` per record, prompt-major) into `TrainSample`s with group
+    advantages, and the rollout metrics (``engine``: asked for its aborted-sample count;
+    ``prompt_indices``: the records' dataset indices, kept in `TrainSample.prompt_index`)."""
     n = config.n_samples_per_prompt
-    generated = engine.generate(
-        [list(r.prompt_ids) for r in records], params, n=n, return_routed_experts=return_routes
-    )
     responses = [_decode(tokenizer, s.response_ids_R.tolist()) for s in generated]
     answers = [records[s.prompt_index].answer for s in generated]
     scored = compute_rewards(reward_fn, responses, answers)
@@ -84,6 +107,7 @@ def run_rollout(
             weight_version=s.weight_version,
             truncated=s.finish_reason == "length",
             weight_versions=tuple(s.weight_versions),  # per segment when it spans an update
+            prompt_index=-1 if prompt_indices is None else prompt_indices[s.prompt_index],
         )
         for i, s in enumerate(generated)
     ]

@@ -48,11 +48,13 @@ from megatron_rl.model import build_model
 from megatron_rl.model.conversion import iter_hf_tensors_every_stage
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.rollout.protocol import RolloutEngine
+from megatron_rl.routing import RoutingCodec
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
 from megatron_rl.train.async_rollout import AsyncRollouts
 from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
+from megatron_rl.train.carry_over import CarryOver
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
 from megatron_rl.train.engines import build_engine
@@ -62,7 +64,7 @@ from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.reference import ReferencePolicy
-from megatron_rl.train.rollout_phase import run_rollout
+from megatron_rl.train.rollout_phase import rollout_params, run_rollout, score_rollout
 from megatron_rl.train.rollout_source import RolloutHooks, RolloutSource, SyncRollouts
 from megatron_rl.train.sync_wait import SyncWait, hf_model_bytes, weight_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
@@ -164,6 +166,10 @@ class Trainer:
         )
         self.step_index = 0
         self.weight_version = 0
+        self.carry_over = self._carry_over()
+        # --carry-over-groups: False until the pool holds its M carried groups (the first draw
+        # after it is empty draws B + M prompts, later ones B)
+        self.carry_primed = False
         self.rollouts = self._rollout_source()
         self.dynamic_sampling = self._dynamic_sampling()
         self.trained_prompts: list[int] = []  # this rank's prompts of the last step
@@ -208,6 +214,9 @@ class Trainer:
             self.sampler.load_state_dict(batch.sampler_before)
             return None
         self.trained_prompts = batch.prompts
+        if self.config.rollout.carry_over_groups:  # the finished groups, not the drawn ones
+            n = self.config.rollout.n_samples_per_prompt
+            self.trained_prompts = [s.prompt_index for s in batch.samples[::n]]
         metrics = batch.metrics
         metrics["time/rollout"] = time.perf_counter() - start
         if self.step_index + 1 < self.config.schedule.train_iters:  # not after the run's last step
@@ -257,6 +266,7 @@ class Trainer:
                 max_staleness=self.config.rollout.max_staleness,
                 last_index=self.config.schedule.train_iters,
                 partial=self.config.rollout.partial_rollout,
+                regenerate_stale=self.config.rollout.carry_over_groups == 0,
             )
         return SyncRollouts(hooks)
 
@@ -284,14 +294,48 @@ class Trainer:
             generate=generate,
         )
 
+    def _carry_over(self) -> CarryOver | None:
+        """The generator's rollout pool of ``--carry-over-groups`` (None when off or not the
+        generator rank); M and B must split evenly over data-parallel ranks."""
+        rollout = self.config.rollout
+        if not rollout.carry_over_groups:
+            return None
+        if rollout.carry_over_groups % self.dp:
+            raise ValueError(
+                f"--carry-over-groups {rollout.carry_over_groups} does not split over "
+                f"{self.dp} data-parallel ranks; use a multiple of {self.dp}"
+            )
+        if not self.is_generator:
+            return None
+        hf = self.hf_config
+        codec = None
+        if self.config.replay.mode == "r3":
+            codec = RoutingCodec(
+                int(hf.num_experts), int(hf.num_experts_per_tok), self.config.engine.routing_dtype
+            )
+        return CarryOver(
+            self.engine,
+            prompt_ids=lambda i: self.records[i].prompt_ids,
+            batch_groups=rollout.rollout_batch_size // self.dp,
+            carry_groups=rollout.carry_over_groups // self.dp,
+            group_size=rollout.n_samples_per_prompt,
+            round_tokens=rollout.round_tokens,
+            max_response_length=rollout.max_response_length,
+            codec=codec,
+        )
+
     def _draw_prompts(self, count: int | None = None) -> list[int]:
         """This data-parallel rank's share of the next ``count`` prompts (default: a rollout's,
-        ``rollout_batch_size``, or its over-sampled first draw with ``--dynamic-sampling``)."""
+        ``rollout_batch_size``, or its over-sampled first draw with ``--dynamic-sampling``, or
+        the pool's M more with ``--carry-over-groups`` while it is empty)."""
         if count is None:
             rollout = self.config.rollout
             count = rollout.rollout_batch_size
             if rollout.dynamic_sampling:
                 count = first_draw(count, rollout.over_sampling_ratio, self.dp)
+            if rollout.carry_over_groups and not self.carry_primed:
+                count += rollout.carry_over_groups
+                self.carry_primed = True
         indices = self.sampler.next_batch(count)
         per_rank = count // self.dp
         return indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
@@ -301,6 +345,22 @@ class Trainer:
         and its refill round ``round_index`` (together, its sampling seed)."""
         config = self.config
         seed = config.parallel.seed * 1_000_003 + rollout_index * 1009 + self.dp_rank
+        if self.carry_over is not None:  # the pool's first finished groups
+            params = rollout_params(self.rollout_config, self.tokenizer, seed)
+            prompts, generated, pool_metrics = self.carry_over.generate(mine, rollout_index, params)
+            result = score_rollout(
+                generated,
+                [self.records[i] for i in prompts],
+                self.tokenizer,
+                self.reward_fn,
+                self.rollout_config,
+                engine=self.engine,
+                prompt_indices=prompts,
+            )
+            result.metrics.update(pool_metrics)
+            if result.reward_error is not None:
+                self.reward_error = result.reward_error
+            return result.samples, result.metrics
         result = run_rollout(
             self.engine,
             [self.records[i] for i in mine],
@@ -559,7 +619,9 @@ class Trainer:
             self.sync_metrics = dict(self.sync_wait.share(membership) or {})
 
     def state_dict(self) -> dict:
-        return {
+        """The JSON state of a checkpoint (a collective with ``--carry-over-groups``: every
+        data-parallel rank's carried groups are gathered)."""
+        state = {
             "step": self.step_index,
             "weight_version": self.weight_version,
             "sampler": self.rollouts.trained_sampler_state(),
@@ -567,12 +629,29 @@ class Trainer:
             "learning": self.learning.state_dict(),
             "config": _jsonable(dataclasses.asdict(self.config)),
         }
+        if self.config.rollout.carry_over_groups:
+            mine = None
+            if self.carry_over is not None:  # as of the last trained step
+                mine = (self.dp_rank, self.carry_over.state_after(self.step_index - 1))
+            pools = dict(p for p in all_gather_objects(mine) if p is not None)
+            state["carry_over"] = [pools[r] for r in range(self.dp)]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.rollouts.clear()  # a batch drawn ahead (--async-rollout) is drawn again
         self.step_index = int(state["step"])
         self.sampler.load_state_dict(state["sampler"])
         self.nonfinite.consecutive = int(state.get("bad_steps", 0))
+        if self.config.rollout.carry_over_groups:
+            pools = state.get("carry_over") or [{"groups": []}] * self.dp
+            if len(pools) != self.dp:
+                raise ValueError(
+                    f"the checkpoint carries groups of {len(pools)} data-parallel ranks, this "
+                    f"run has {self.dp}: resume --carry-over-groups runs at the same DP size"
+                )
+            self.carry_primed = bool(pools[0]["groups"])
+            if self.carry_over is not None:
+                self.carry_over.load_state_dict(pools[self.dp_rank], self.step_index - 1)
         # a checkpoint from before the guard: assume the run had learned (never a false stop)
         self.learning.load_state_dict(state.get("learning", {"signal_seen": True}))
         # the engine gets the restored weights under their version

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from trainer_testing import rendezvous, small_config
+from trainer_testing import killed_after, rendezvous, small_config
 
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.train.async_rollout import overlap, staleness_metrics
@@ -52,10 +52,6 @@ class _Recorder:
             return real(trainer, samples, should_stop)
 
         monkeypatch.setattr(Trainer, "train_on", train_on)
-
-
-class _Killed(RuntimeError):
-    """The job dies (no stop signal, no final save)."""
 
 
 def test_config_validation():
@@ -191,18 +187,8 @@ def test_resume_mid_run_continues_from_the_last_trained_batch(tmp_path, monkeypa
     uninterrupted = [s["prompts"] for s in recorder.steps]
     recorder.steps.clear()
     first = _tiny(tmp_path / "b", train_iters=5, save=str(tmp_path / "b" / "ckpt"), save_interval=2)
-    real_step = Trainer.step
-
-    def step_until(trainer, should_stop=None):  # a stop signal after step 3 (batch 4 in flight)
-        metrics = real_step(trainer, should_stop)
-        if trainer.step_index == 3:
-            raise _Killed
-        return metrics
-
-    monkeypatch.setattr(Trainer, "step", step_until)
-    with pytest.raises(_Killed):
+    with killed_after(3):  # batch 4 in flight
         run(first, **rendezvous(tmp_path, "rdzv_b1"))
-    monkeypatch.setattr(Trainer, "step", real_step)
     assert int((tmp_path / "b" / "ckpt" / "latest").read_text()) == 2
     run(first.with_flags(load=first.checkpoint.save), **rendezvous(tmp_path, "rdzv_b2"))
     resumed = [s["prompts"] for s in recorder.steps]

@@ -30,10 +30,6 @@ OVERRIDES = dict(
 )
 
 
-class _Killed(RuntimeError):
-    """The job dies after a step (no stop signal, no final save)."""
-
-
 def _install_recorder(steps: list[dict]):
     """Wraps `Trainer.train_on` in this process: per step, the rank's claimed prompts, the prompt
     each trained sample really holds, the samples' versions and the trainer's version."""
@@ -60,7 +56,7 @@ def _install_recorder(steps: list[dict]):
 def _worker(rank, world_size, init_method, tmp_dir) -> None:
     from pathlib import Path
 
-    from trainer_testing import small_config
+    from trainer_testing import killed_after, small_config
 
     from megatron_rl.backend import destroy_distributed
     from megatron_rl.train.run import run
@@ -103,21 +99,11 @@ def _worker(rank, world_size, init_method, tmp_dir) -> None:
         save_interval=SAVE_INTERVAL,
         **OVERRIDES,
     )
-    real_step = Trainer.step
-
-    def step_until(trainer, should_stop=None):
-        metrics = real_step(trainer, should_stop)
-        if trainer.step_index == KILL_AFTER:
-            raise _Killed
-        return metrics
-
-    Trainer.step = step_until
     try:
-        run(first, **dist_kwargs("rdzv_p2a"))
-    except _Killed:
+        with killed_after(KILL_AFTER):
+            run(first, **dist_kwargs("rdzv_p2a"))
         result["killed"] = True
     finally:
-        Trainer.step = real_step
         destroy_distributed()
     result["latest"] = int((ckpt / "latest").read_text())
     killed_steps = len(steps)

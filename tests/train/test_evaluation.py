@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_testing import rendezvous, small_config
+from trainer_testing import killed_after, rendezvous, small_config
 
 import megatron_rl.train.run as run_module
 from megatron_rl.train.__main__ import main
@@ -28,7 +28,6 @@ from megatron_rl.train.evaluation import (
     set_metrics,
 )
 from megatron_rl.train.run import run
-from megatron_rl.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -292,28 +291,14 @@ def test_a_run_with_evaluation_trains_bit_identically_and_evaluates_at_its_steps
     assert (tmp_path / "eval" / "run" / "learning_curve.png").stat().st_size > 10_000
 
 
-class _Killed(Exception):
-    pass
-
-
 @pytest.mark.slow
 def test_a_resumed_run_evaluates_at_the_same_steps_with_the_same_results(tmp_path, monkeypatch):
     flags = dict(train_iters=4, eval_interval=2, eval_before_train=True, save_interval=2)
     straight = small_config(tmp_path / "a", save=str(tmp_path / "a" / "ckpt"), **flags)
     run(straight, **rendezvous(tmp_path, "rdzv_a"))
     first = small_config(tmp_path / "b", save=str(tmp_path / "b" / "ckpt"), **flags)
-    real_step = Trainer.step
-
-    def step_until(trainer, should_stop=None):  # killed after step 3 (step 2 saved)
-        metrics = real_step(trainer, should_stop)
-        if trainer.step_index == 3:
-            raise _Killed
-        return metrics
-
-    monkeypatch.setattr(Trainer, "step", step_until)
-    with pytest.raises(_Killed):
+    with killed_after(3):  # step 2 saved
         run(first, **rendezvous(tmp_path, "rdzv_b1"))
-    monkeypatch.setattr(Trainer, "step", real_step)
     run(first.with_flags(load=first.checkpoint.save), **rendezvous(tmp_path, "rdzv_b2"))
     uninterrupted, resumed = _rows(tmp_path / "a" / "run"), _rows(tmp_path / "b" / "run")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]  # no second step-0 evaluation

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from megatron_rl.train.config import TrainConfig
 
 
@@ -37,3 +39,32 @@ def rank_share(samples: list, rank: int, world_size: int, global_batch: int) -> 
         begin = start + rank * per_rank
         share.extend(samples[begin : begin + per_rank])
     return share
+
+
+class Killed(RuntimeError):
+    """The job dies after a step (no stop signal, no final save)."""
+
+
+@contextlib.contextmanager
+def killed_after(step: int):
+    """Within the block, `Trainer.step` raises `Killed` once the trainer has done ``step`` steps
+    (a kill -9: no stop signal, no final save); the block ends there. AssertionError when the
+    block ends without it."""
+    from megatron_rl.train.trainer import Trainer
+
+    real = Trainer.step
+
+    def step_until(trainer, should_stop=None):
+        metrics = real(trainer, should_stop)
+        if trainer.step_index == step:
+            raise Killed
+        return metrics
+
+    Trainer.step = step_until
+    try:
+        yield
+    except Killed:
+        return
+    finally:
+        Trainer.step = real
+    raise AssertionError(f"the run ended before step {step}: nothing was killed")

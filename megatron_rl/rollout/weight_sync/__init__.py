@@ -8,7 +8,10 @@ One sync (`sync_weights`) on the trainer's global rank 0, fed by
 `megatron_rl.model.conversion.iter_hf_tensors` (collective: the other ranks iterate it too and
 drop the tensors):
 
-1. ``/pause_generation`` and ``/flush_cache`` on every server;
+1. ``/pause_generation`` in ``pause_mode`` and ``/flush_cache`` on every server: ``abort``
+   (SGLang's default) ends the requests in flight, ``retract`` and ``in_place`` keep them to go
+   on under the new weights (``--partial-rollout``); see `sync` for the releases that have each
+   and for the flush each mode allows;
 2. ``/begin_weight_update`` (transports ``distributed`` and ``tensor``, on servers that have
    sessions: `update_session`), the tensors, in buckets of at most ``bucket_bytes``
    (`flat_bucket.flat_buckets`), each packed into one staging buffer in SGLang's
@@ -22,7 +25,8 @@ drop the tensors):
    file name on CPU, never the bytes), or ``disk`` (HF safetensors written to a temporary folder
    renamed into place, then ``/update_weights_from_disk``), then ``/end_weight_update``, whatever
    happened;
-3. ``/update_weight_version`` to ``version`` once every bucket loaded, then each server's
+3. ``/update_weight_version`` to ``version`` once every bucket loaded (``abort_all_requests``
+   false, so the paused requests survive), then each server's
    ``weight_version`` (``/model_info``) must equal it, and optionally per-tensor checksums;
 4. ``/continue_generation``, whatever happened.
 
