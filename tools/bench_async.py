@@ -7,15 +7,16 @@ engine in its own process.
 
 Arms (``--arms``): ``sync``; ``async-k1``, ``async-k2``, ``async-k4`` (``--async-rollout
 --max-staleness K``); ``partial`` (``--async-rollout --max-staleness 1 --partial-rollout
---sglang-pause-mode retract --behavior-logprobs rollout``; skipped with a note in summary.md if
-the trainer refuses its flags). Each (arm, repeat) is one process of ``python -m
-megatron_rl.train --rollout-engine sglang --sglang-url <its server>`` against a fresh loopback
-SGLang stand-in (``python -m megatron_rl.rollout.loopback_server``) started for that run alone in
-a process of its own, so that generation and training run in two processes, as with a real
-engine. Runs go one at a time and interleaved: every repeat runs every arm, starting one arm
-later than the repeat before (rotation), so a slow spell of a shared machine hits every arm
-alike and no arm always runs first. Within a repeat every arm gets the same ``--seed`` (base
-seed + repeat), hence the same prompts and initial weights: the arms are paired.
+--sglang-pause-mode retract --behavior-logprobs rollout``); ``partial-carry`` (``partial`` with
+``--carry-over-groups 4 --carry-over-round-tokens 8``: 4 groups more in flight, 8-token rounds);
+an arm the trainer refuses is skipped with a note in summary.md. Each (arm, repeat) is one process
+of ``python -m megatron_rl.train --rollout-engine sglang --sglang-url <its server>`` against a fresh
+loopback SGLang stand-in (``python -m megatron_rl.rollout.loopback_server``) started for that run
+alone in a process of its own, so that generation and training run in two processes, as with a real
+engine. Runs go one at a time and interleaved: every repeat runs every arm, starting one arm later
+than the repeat before (rotation), so a slow spell of a shared machine hits every arm alike and no
+arm always runs first. Within a repeat every arm gets the same ``--seed`` (base seed + repeat),
+hence the same prompts and initial weights: the arms are paired.
 
 Threads, set deliberately for every arm: the trainer ``--torch-threads T``
 (``--torch-threads``, default 1) and ``OMP_NUM_THREADS=T``; the server ``--torch-threads S``
@@ -87,6 +88,11 @@ ARMS = {
         *ASYNC, "1", "--partial-rollout", "--sglang-pause-mode", "retract",
         "--behavior-logprobs", "rollout",
     ],
+    "partial-carry": [
+        *ASYNC, "1", "--partial-rollout", "--sglang-pause-mode", "retract",
+        "--behavior-logprobs", "rollout", "--carry-over-groups", "4",
+        "--carry-over-round-tokens", "8",
+    ],
 }  # fmt: skip
 DEFAULT_ARMS = ("sync", "async-k1", "async-k2", "async-k4")
 # long, variable-length responses; 32 samples a step, trained in 4 updates of 8 one-row
@@ -103,6 +109,7 @@ COLOURS = {
     "async-k2": "tab:orange",
     "async-k4": "tab:red",
     "partial": "tab:green",
+    "partial-carry": "tab:purple",
 }
 # Student-t 0.975 quantiles for 1..30 degrees of freedom (then the normal's 1.96)
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179)

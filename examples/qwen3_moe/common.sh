@@ -37,6 +37,35 @@ apply_recipe() {
   for i in "${data[@]}"; do RECIPE_ARGS+=(--eval-prompt-data "${i}"); done
 }
 
+# Asynchrony (ASYNC_ARGS, none by default; docs/trainer.md, "Asynchronous rollouts"):
+#   ASYNC=K                 generate up to K rollouts ahead of training (--async-rollout
+#                           --max-staleness K)
+#   PARTIAL=1               with ASYNC: requests in flight at a weight sync are paused in SGLang's
+#                           retract mode and finish under the new weights (--partial-rollout)
+#   CARRY_OVER=M            M groups more than the batch in flight; a step trains on the first
+#                           finished groups, the rest carry over (--carry-over-groups), in rounds
+#                           of CARRY_OVER_ROUND_TOKENS tokens (default: a quarter of the length)
+#   MASK_STALE=1            tokens more than K versions old leave the loss (--mask-stale-tokens)
+# PARTIAL and CARRY_OVER make samples span weight versions, so the engine's log-probs become the
+# behaviour policy (--behavior-logprobs rollout) unless the arm sets a --rollout-correction.
+async_args() {
+  ASYNC_ARGS=()
+  if [[ -n "${ASYNC:-}" ]]; then ASYNC_ARGS+=(--async-rollout --max-staleness "${ASYNC}"); fi
+  if [[ "${PARTIAL:-0}" == 1 ]]; then
+    ASYNC_ARGS+=(--partial-rollout --sglang-pause-mode retract)
+  fi
+  if [[ -n "${CARRY_OVER:-}" ]]; then
+    ASYNC_ARGS+=(--carry-over-groups "${CARRY_OVER}")
+    if [[ -n "${CARRY_OVER_ROUND_TOKENS:-}" ]]; then
+      ASYNC_ARGS+=(--carry-over-round-tokens "${CARRY_OVER_ROUND_TOKENS}")
+    fi
+  fi
+  if [[ "${MASK_STALE:-0}" == 1 ]]; then ASYNC_ARGS+=(--mask-stale-tokens); fi
+  if [[ "${PARTIAL:-0}" == 1 || -n "${CARRY_OVER:-}" ]]; then
+    ASYNC_ARGS+=(--behavior-logprobs rollout)
+  fi
+}
+
 # The per-launch variables every node derives the same way (the environment overrides them).
 init_launch() {
   NODES=$(( TRAIN_NODES + ${#ROLLOUT_HOSTS[@]} ))

@@ -11,6 +11,7 @@
 # (--optimizer-cpu-offload: the model does not fit 32 80-GB GPUs without it, see the memory plan
 # below); OPTIMIZER_OFFLOAD_FRACTION (default 1.0) keeps only that share of it there.
 # ASYNC_SAVE=1 writes checkpoints in the background (--async-save).
+# ASYNC=K, PARTIAL=1, CARRY_OVER=M, MASK_STALE=1: asynchronous rollouts (common.sh, async_args).
 # RECIPE=epic-paper|vespo-paper with ARM=<arm> and EVAL_DATA runs a paper's protocol (see
 # run_qwen3_30b_a3b.sh and megatron_rl/recipes.py).
 # DRY_RUN=1 prints the commands of this node instead of running them (and what it would check).
@@ -159,13 +160,15 @@ SERVE_ARGS=(
 )
 if [[ "${REPLAY}" == r3 ]]; then SERVE_ARGS+=(--routed-experts); fi
 
+async_args  # common.sh: ASYNC, PARTIAL, CARRY_OVER, MASK_STALE
 TRAIN_CMD=(
   torchrun
   --nnodes "${TRAIN_NODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${GPUS_PER_NODE}"
   --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT:-29500}"
   -m megatron_rl.train
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${RL_ARGS[@]}"
-  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${RECIPE_ARGS[@]}"
+  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${ASYNC_ARGS[@]}"
+  "${RECIPE_ARGS[@]}"
 )
 
 launch_node  # common.sh: check NODE_RANK, announce this node, then serve or train

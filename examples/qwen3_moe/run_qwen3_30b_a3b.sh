@@ -9,6 +9,7 @@
 # LOSS=vespo|epic|gspo|grpo|... and REPLAY=off|r2|r3 pick the arm; STALENESS is N; KL_COEF
 # overrides the recipe's KL coefficient (see RL_ARGS); OPTIMIZER_CPU_OFFLOAD=1 keeps the Adam
 # state in host memory (OPTIMIZER_OFFLOAD_FRACTION of it, default all).
+# ASYNC=K, PARTIAL=1, CARRY_OVER=M, MASK_STALE=1: asynchronous rollouts (common.sh, async_args).
 # RECIPE=epic-paper|vespo-paper with ARM=<arm> runs a paper's protocol instead (its table's values,
 # megatron_rl/recipes.py; EVAL_DATA="aime24=/shared/aime24.jsonl ..." names the evaluation sets):
 #   RECIPE=epic-paper ARM=ctpo EVAL_DATA="aime24=... aime25=... amc23=... hmmt25=..." NODE_RANK=0 ...
@@ -117,13 +118,15 @@ SERVE_ARGS=(
 )
 if [[ "${REPLAY}" == r3 ]]; then SERVE_ARGS+=(--routed-experts); fi
 
+async_args  # common.sh: ASYNC, PARTIAL, CARRY_OVER, MASK_STALE
 TRAIN_CMD=(
   torchrun
   --nnodes "${TRAIN_NODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${GPUS_PER_NODE}"
   --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT:-29500}"
   -m megatron_rl.train
   "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${ROLLOUT_ARGS[@]}" "${RL_ARGS[@]}"
-  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${RECIPE_ARGS[@]}"
+  "${OPTIM_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${ASYNC_ARGS[@]}"
+  "${RECIPE_ARGS[@]}"
 )
 
 launch_node  # common.sh: check NODE_RANK, announce this node, then serve or train

@@ -522,3 +522,20 @@ def test_235b_memory_plan_of_the_launched_layout_fits_and_no_pipeline_does_not()
     assert params_and_grads > 90 * 2**30  # the issue's figure at EP16
     # nor do 16 GPUs with pipeline parallelism
     assert not _plan_of(config, 16, ep=4).fits
+
+
+@pytest.mark.parametrize("script, env", [(SCRIPT, {}), (SCRIPT_235B, "235b")])
+def test_asynchrony_knobs_reach_the_trainer(script, env):
+    """ASYNC / PARTIAL / CARRY_OVER / MASK_STALE become the trainer's flags, and the trainer's
+    checks accept them (the engine's log-probs as behaviour, retract pauses)."""
+    base = _env_235b() if env == "235b" else {}
+    node = 1
+    plain = _trainer_config(_train_argv(_dry_run(node, script, **base)))
+    assert not plain.rollout.async_rollout and not plain.rollout.carry_over_groups
+    knobs = dict(ASYNC="2", PARTIAL="1", CARRY_OVER="16", CARRY_OVER_ROUND_TOKENS="2048")
+    config = _trainer_config(_train_argv(_dry_run(node, script, **base, **knobs, MASK_STALE="1")))
+    rollout = config.rollout
+    assert rollout.async_rollout and rollout.max_staleness == 2 and rollout.partial_rollout
+    assert rollout.carry_over_groups == 16 and rollout.round_tokens == 2048
+    assert rollout.mask_stale_tokens and config.objective.behavior_logprobs == "rollout"
+    assert config.engine.sglang_pause_mode == "retract"

@@ -190,11 +190,13 @@ def test_a_resume_goes_on_with_the_carried_groups_of_the_checkpoint(
     tmp_path, monkeypatch, async_rollout
 ):
     """Killed after step 3 with a checkpoint at step 2: the resumed run trains the same groups
-    (and, synchronously, the same samples) from step 3 on as the uninterrupted run."""
+    (and, synchronously, the same samples) from step 3 on as the uninterrupted run; async with
+    K = 2 and partial rollouts (the sync parks the running generation) too."""
     from megatron_rl.train.run import run
 
     recorder = _Recorder(monkeypatch)
-    flags = {"async_rollout": True, "max_staleness": 2} if async_rollout else {}
+    flags = {"async_rollout": True, "max_staleness": 2, "partial_rollout": True}
+    flags = flags if async_rollout else {}
     straight = _carry_config(tmp_path / "a", train_iters=6, **flags)
     run(straight, **rendezvous(tmp_path, "rdzv_a"))
     uninterrupted = list(recorder.steps)
