@@ -62,8 +62,8 @@ class LearningGuard:
         self.reward = reward
         self.temperature = temperature
         self.signal_seen = False  # a step with a learning signal happened (checkpointed)
-        self.no_signal = 0
-        self.reward_failing = 0
+        self.no_signal = 0  # steps in a row without signal (checkpointed)
+        self.reward_failing = 0  # steps in a row over the failure fraction (checkpointed)
         self.first_error: str | None = None  # set by the trainer when the reward stops the run
         self._last: dict[str, float] = {}
 
@@ -136,7 +136,15 @@ class LearningGuard:
         )
 
     def state_dict(self) -> dict:
-        return {"signal_seen": self.signal_seen}
+        """What a checkpoint keeps: whether a signal was seen and both streaks, so a run
+        killed mid-streak and resumed stops where the uninterrupted run would."""
+        return {
+            "signal_seen": self.signal_seen,
+            "no_signal": self.no_signal,
+            "reward_failing": self.reward_failing,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.signal_seen = bool(state["signal_seen"])
+        self.no_signal = int(state.get("no_signal", 0))  # a checkpoint from before: no streak
+        self.reward_failing = int(state.get("reward_failing", 0))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from trainer_testing import killed_after, rendezvous, small_config
+from trainer_testing import StepRecorder, killed_after, rendezvous, small_config
 
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.train.async_rollout import overlap, staleness_metrics
@@ -31,27 +31,6 @@ def _tiny(tmp_path, **overrides) -> TrainConfig:
 def _expected_batches(sampler: PromptSampler, batch: int, steps: int) -> list[list[int]]:
     fresh = PromptSampler(sampler.num_records, seed=sampler.seed, shuffle=sampler.shuffle)
     return [fresh.next_batch(batch) for _ in range(steps)]
-
-
-class _Recorder:
-    """Wraps `Trainer.train_on`: the prompts, sample versions and trainer version of each step."""
-
-    def __init__(self, monkeypatch):
-        self.steps: list[dict] = []
-        real = Trainer.train_on
-        recorder = self
-
-        def train_on(trainer, samples, should_stop=None):
-            recorder.steps.append(
-                {
-                    "prompts": list(trainer.trained_prompts),
-                    "versions": [s.weight_version for s in samples],
-                    "trainer_version": trainer.weight_version,
-                }
-            )
-            return real(trainer, samples, should_stop)
-
-        monkeypatch.setattr(Trainer, "train_on", train_on)
 
 
 def test_config_validation():
@@ -92,7 +71,7 @@ def test_sync_and_async_steps_share_one_body(tmp_path, monkeypatch):
     first step (generated in the foreground, same seed and weights) trains on the same samples
     the sync step does, so every value but the timings agrees; both trained the prompts they
     drew."""
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     rows, prompts = {}, {}
     for mode in (False, True):
         config = _tiny(tmp_path / f"async_{mode}", async_rollout=mode, train_iters=3)
@@ -120,7 +99,7 @@ def test_fifty_async_steps_train_every_prompt_once_within_the_staleness_bound(
 ):
     """(a) no prompt lost or duplicated over 50 steps with a sync after each; (b) every trained
     sample carries its weight version, one behind the trainer (0 at the first step)."""
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     steps = 50
     trainer = Trainer(_tiny(tmp_path, train_iters=steps), **rendezvous(tmp_path))
     try:
@@ -146,7 +125,7 @@ def test_fifty_async_steps_train_every_prompt_once_within_the_staleness_bound(
 def test_a_batch_beyond_max_staleness_is_dropped_and_regenerated(tmp_path, monkeypatch):
     """An extra weight sync while the next batch waits puts it 2 versions behind: with S = 1 it
     is generated again, for the same prompts, under the current weights."""
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     trainer = Trainer(_tiny(tmp_path, train_iters=4), **rendezvous(tmp_path))
     try:
         expected = _expected_batches(trainer.sampler, 2, 4)
@@ -163,7 +142,7 @@ def test_a_batch_beyond_max_staleness_is_dropped_and_regenerated(tmp_path, monke
 
 
 def test_a_stop_after_the_rollout_redraws_its_prompts(tmp_path, monkeypatch):
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     trainer = Trainer(_tiny(tmp_path, train_iters=4), **rendezvous(tmp_path))
     try:
         expected = _expected_batches(trainer.sampler, 2, 3)
@@ -181,7 +160,7 @@ def test_a_stop_after_the_rollout_redraws_its_prompts(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_resume_mid_run_continues_from_the_last_trained_batch(tmp_path, monkeypatch):
     """(c) the prompt sequence of a resumed async run equals the uninterrupted run's."""
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     straight = _tiny(tmp_path / "a", train_iters=5)
     run(straight, **rendezvous(tmp_path, "rdzv_a"))
     uninterrupted = [s["prompts"] for s in recorder.steps]
@@ -283,7 +262,7 @@ def test_k_batches_ahead_train_every_prompt_once_at_most_k_versions_behind(
 ):
     """``--max-staleness K``: K rollouts are drawn ahead and generated in the background; every
     prompt is trained once, in draw order, and no sample is more than K versions behind."""
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     steps = 8
     config = _tiny(tmp_path, train_iters=steps, max_staleness=depth)
     trainer = Trainer(config, **rendezvous(tmp_path))
@@ -303,7 +282,7 @@ def test_k_batches_ahead_train_every_prompt_once_at_most_k_versions_behind(
 
 def test_a_checkpoint_of_a_k_deep_run_records_the_first_batch_not_trained(tmp_path, monkeypatch):
     """The batches drawn ahead are not in the state: a resume draws them again, in order."""
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     trainer = Trainer(_tiny(tmp_path, train_iters=6, max_staleness=3), **rendezvous(tmp_path))
     try:
         expected = _expected_batches(trainer.sampler, 2, 6)

@@ -30,33 +30,10 @@ OVERRIDES = dict(
 )
 
 
-def _install_recorder(steps: list[dict]):
-    """Wraps `Trainer.train_on` in this process: per step, the rank's claimed prompts, the prompt
-    each trained sample really holds, the samples' versions and the trainer's version."""
-    from megatron_rl.train.trainer import Trainer
-
-    real = Trainer.train_on
-
-    def train_on(trainer, samples, should_stop=None):
-        by_tokens = {tuple(r.prompt_ids): r.index for r in trainer.records}
-        steps.append(
-            {
-                "prompts": list(trainer.trained_prompts),
-                "sample_prompts": [by_tokens[tuple(s.prompt_ids.tolist())] for s in samples],
-                "versions": [s.weight_version for s in samples],
-                "trainer_version": trainer.weight_version,
-            }
-        )
-        return real(trainer, samples, should_stop)
-
-    Trainer.train_on = train_on
-    return real
-
-
 def _worker(rank, world_size, init_method, tmp_dir) -> None:
     from pathlib import Path
 
-    from trainer_testing import killed_after, small_config
+    from trainer_testing import StepRecorder, killed_after, small_config
 
     from megatron_rl.backend import destroy_distributed
     from megatron_rl.train.run import run
@@ -69,8 +46,8 @@ def _worker(rank, world_size, init_method, tmp_dir) -> None:
     result: dict = {}
 
     # phase 1: the Trainer directly, one sync per step and an extra one before step 3
-    steps: list[dict] = []
-    real_train_on = _install_recorder(steps)
+    recorder = StepRecorder()
+    steps = recorder.steps
     config = small_config(tmp / "p1", train_iters=STEPS, **OVERRIDES)
     trainer = Trainer(config, **dist_kwargs("rdzv_p1"))
     rows = []
@@ -88,9 +65,8 @@ def _worker(rank, world_size, init_method, tmp_dir) -> None:
     result["straight"] = {"steps": steps, "rows": rows}
 
     # phase 2: run() saving every 2 steps, killed after step 3, resumed from step 2's checkpoint
-    steps = []
-    Trainer.train_on = real_train_on
-    _install_recorder(steps)
+    recorder.close()
+    steps = StepRecorder().steps
     ckpt = tmp / "p2" / "ckpt"
     first = small_config(
         tmp / "p2",

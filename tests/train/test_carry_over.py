@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 from rollout.rollout_testing import direct_logprobs, direct_routes, make_engine
-from trainer_testing import killed_after, rendezvous, small_config
+from trainer_testing import StepRecorder, killed_after, rendezvous, small_config
 
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.rollout import SamplingParams
@@ -130,29 +130,6 @@ def _carry_config(tmp_path, **overrides) -> TrainConfig:
     return small_config(tmp_path, **values)
 
 
-class _Recorder:
-    """Wraps `Trainer.train_on`: the trained prompts and each sample's versions per step."""
-
-    def __init__(self, monkeypatch):
-        self.steps: list[dict] = []
-        real, recorder = Trainer.train_on, self
-
-        def train_on(trainer, samples, should_stop=None):
-            by_tokens = {tuple(r.prompt_ids): r.index for r in trainer.records}
-            recorder.steps.append(
-                {
-                    "prompts": list(trainer.trained_prompts),
-                    "sample_prompts": [by_tokens[tuple(s.prompt_ids.tolist())] for s in samples],
-                    "spans": [s.weight_versions for s in samples],
-                    "responses": [s.response_ids.tolist() for s in samples],
-                    "trainer_version": trainer.weight_version,
-                }
-            )
-            return real(trainer, samples, should_stop)
-
-        monkeypatch.setattr(Trainer, "train_on", train_on)
-
-
 @pytest.mark.parametrize("async_rollout", [False, True])
 def test_the_trainer_trains_every_drawn_group_once_and_carries_the_rest(
     tmp_path, monkeypatch, async_rollout
@@ -160,7 +137,7 @@ def test_the_trainer_trains_every_drawn_group_once_and_carries_the_rest(
     """8 steps of B = 2 groups from a pool of 4 (M = 2), one token per round: every prompt the
     sampler drew (4, then 2 a rollout) is trained once or is among the 2 still carried; some
     batches hold groups carried from an earlier step, and some samples span weight versions."""
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     flags = {"async_rollout": True, "max_staleness": 2} if async_rollout else {}
     trainer = Trainer(_carry_config(tmp_path, train_iters=8, **flags), **rendezvous(tmp_path))
     try:
@@ -194,7 +171,7 @@ def test_a_resume_goes_on_with_the_carried_groups_of_the_checkpoint(
     K = 2 and partial rollouts (the sync parks the running generation) too."""
     from megatron_rl.train.run import run
 
-    recorder = _Recorder(monkeypatch)
+    recorder = StepRecorder(monkeypatch)
     flags = {"async_rollout": True, "max_staleness": 2, "partial_rollout": True}
     flags = flags if async_rollout else {}
     straight = _carry_config(tmp_path / "a", train_iters=6, **flags)

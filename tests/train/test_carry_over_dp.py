@@ -30,52 +30,28 @@ OVERRIDES = dict(
 )
 
 
-def _install_recorder(steps: list[dict]):
-    from megatron_rl.train.trainer import Trainer
-
-    real = Trainer.train_on
-
-    def train_on(trainer, samples, should_stop=None):
-        by_tokens = {tuple(r.prompt_ids): r.index for r in trainer.records}
-        newest = [max([s.weight_version, *(v for v, _, _ in s.weight_versions)]) for s in samples]
-        steps.append(
-            {
-                "prompts": list(trainer.trained_prompts),
-                "sample_prompts": [by_tokens[tuple(s.prompt_ids.tolist())] for s in samples],
-                "newest": newest,
-                "trainer_version": trainer.weight_version,
-            }
-        )
-        return real(trainer, samples, should_stop)
-
-    Trainer.train_on = train_on
-    return real
-
-
 def _worker(rank, world_size, init_method, tmp_dir) -> None:
     from pathlib import Path
 
-    from trainer_testing import killed_after, small_config
+    from trainer_testing import StepRecorder, killed_after, small_config
 
     from megatron_rl.backend import destroy_distributed
     from megatron_rl.train.run import run
-    from megatron_rl.train.trainer import Trainer
 
     tmp = Path(tmp_dir)
     dist_kwargs = lambda name: dict(  # noqa: E731
         rank=rank, world_size=world_size, init_method=f"file://{tmp / name}"
     )
     result: dict = {}
-    steps: list[dict] = []
-    real_train_on = _install_recorder(steps)
+    recorder = StepRecorder()
+    steps = recorder.steps
     straight = small_config(tmp / "p1", train_iters=STEPS, **OVERRIDES)
     run(straight, **dist_kwargs("rdzv_p1"))
     destroy_distributed()
     result["straight"] = steps
 
-    steps = []
-    Trainer.train_on = real_train_on
-    _install_recorder(steps)
+    recorder.close()
+    steps = StepRecorder().steps
     ckpt = tmp / "p2" / "ckpt"
     first = small_config(
         tmp / "p2", train_iters=STEPS, save=str(ckpt), save_interval=SAVE_INTERVAL, **OVERRIDES

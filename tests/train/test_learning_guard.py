@@ -66,6 +66,23 @@ def test_after_the_first_signal_equal_rewards_do_not_stop_a_run_that_solved_its_
     assert not resumed.exhausted
 
 
+def test_a_resume_mid_streak_stops_at_the_step_the_uninterrupted_run_would():
+    """Both streaks are in the checkpoint: 2 no-signal steps and 2 failing steps before the
+    save, 1 after it stops the resumed run, as it stops the run that was never interrupted."""
+    for bad in (_step(signal=0.0), _step(signal=0.5, failed=0.9)):
+        guard = _guard(max_steps=3)
+        guard.record(bad, step=1)
+        guard.record(bad, step=2)
+        resumed = _guard(max_steps=3)
+        resumed.load_state_dict(guard.state_dict())
+        resumed.record(bad, step=3)
+        guard.record(bad, step=3)
+        assert resumed.exhausted and guard.exhausted
+    old = _guard(max_steps=3)
+    old.load_state_dict({"signal_seen": False})  # a checkpoint from before the streaks: none
+    assert old.no_signal == 0 and old.reward_failing == 0
+
+
 def test_reward_failures_over_the_fraction_count_and_the_message_names_reward_and_error():
     guard = _guard(max_steps=2, fraction=0.5)
     guard.record(_step(signal=0.5, failed=0.5), step=1)  # at the fraction: not counted

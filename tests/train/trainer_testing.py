@@ -68,3 +68,45 @@ def killed_after(step: int):
     finally:
         Trainer.step = real
     raise AssertionError(f"the run ended before step {step}: nothing was killed")
+
+
+class StepRecorder:
+    """Wraps `Trainer.train_on`: ``steps`` gets one row per step: the trained prompts, the
+    prompt each sample really holds, each sample's oldest and newest token's version, its
+    spans and response, and the trainer's version. Undone by pytest's ``monkeypatch`` when
+    given, else by `close` (a spawned rank's process)."""
+
+    def __init__(self, monkeypatch=None) -> None:
+        from megatron_rl.train.trainer import Trainer
+
+        self.steps: list[dict] = []
+        self._real = real = Trainer.train_on
+        steps = self.steps
+
+        def train_on(trainer, samples, should_stop=None):
+            by_tokens = {tuple(r.prompt_ids): r.index for r in trainer.records}
+            steps.append(
+                {
+                    "prompts": list(trainer.trained_prompts),
+                    "sample_prompts": [by_tokens[tuple(s.prompt_ids.tolist())] for s in samples],
+                    "versions": [s.weight_version for s in samples],
+                    "newest": [
+                        max([s.weight_version, *(v for v, _, _ in s.weight_versions)])
+                        for s in samples
+                    ],
+                    "spans": [[list(span) for span in s.weight_versions] for s in samples],
+                    "responses": [s.response_ids.tolist() for s in samples],
+                    "trainer_version": trainer.weight_version,
+                }
+            )
+            return real(trainer, samples, should_stop)
+
+        if monkeypatch is not None:
+            monkeypatch.setattr(Trainer, "train_on", train_on)
+        else:
+            Trainer.train_on = train_on
+
+    def close(self) -> None:
+        from megatron_rl.train.trainer import Trainer
+
+        Trainer.train_on = self._real
