@@ -72,7 +72,7 @@ class Producer:
     `hold` stops it from starting another batch and waits for the running one (a weight sync
     then finds the engine idle: one weight version per batch); `release` lets it go on. Errors
     are re-raised by `result` in the trainer's thread. ``intervals``: ``(start, end)`` of the last
-    16 generations, for the timing metrics (replaced, never mutated: safe to read).
+    16 generations, for the timing metrics, the running one (if any) ending now (`spans`).
     """
 
     def __init__(self, generate: Callable[[list[int], int], object]) -> None:
@@ -81,7 +81,8 @@ class Producer:
         self._results: dict[int, tuple[object, BaseException | None]] = {}
         self._cond = threading.Condition()
         self._open, self._busy, self._stopped = True, False, False
-        self.intervals: list[tuple[float, float]] = []
+        self.intervals: list[tuple[float, float]] = []  # replaced, never mutated
+        self._running_since: float | None = None  # the running generation's start
         self._thread = threading.Thread(target=self._loop, daemon=True, name="rollout-producer")
         self._thread.start()
 
@@ -124,6 +125,14 @@ class Producer:
             self._cond.notify_all()
         self._thread.join()
 
+    def spans(self) -> list[tuple[float, float]]:
+        """``intervals`` and, if a generation is running (one that outlives a step: partial
+        rollouts), ``(its start, now)``, so a step counts the part of it that fell within."""
+        with self._cond:
+            running = self._running_since
+            spans = list(self.intervals)
+        return spans if running is None else [*spans, (running, time.perf_counter())]
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -132,13 +141,15 @@ class Producer:
                     return
                 index, prompts = self._jobs.popleft()
                 self._busy = True
-            start, value, error = time.perf_counter(), None, None
+                start, value, error = time.perf_counter(), None, None
+                self._running_since = start
             try:
                 value = self._generate(prompts, index)
             except BaseException as err:  # re-raised in the trainer's thread by `result`
                 error = err
             with self._cond:
-                self.intervals.append((start, time.perf_counter()))
+                self.intervals = [*self.intervals[-15:], (start, time.perf_counter())]
+                self._running_since = None
                 self._results[index] = (value, error)
                 self._busy = False
                 self._cond.notify_all()
@@ -275,9 +286,9 @@ class AsyncRollouts:
         timing = None
         if self.producer is not None:
             window = (self._step_start, time.perf_counter())
-            spans = [*self.producer.intervals, *self._foreground]
-            generation = sum(overlap(span, window) for span in spans)
-            overlapped = sum(overlap(span, self._train) for span in self.producer.intervals)
+            background = self.producer.spans()
+            generation = sum(overlap(span, window) for span in [*background, *self._foreground])
+            overlapped = sum(overlap(span, self._train) for span in background)
             timing = {
                 "time/generation": generation,
                 "async/overlap_fraction": overlapped / generation if generation > 0 else 0.0,

@@ -4,12 +4,14 @@ every prompt trained exactly once, and resume from the last trained batch."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 from trainer_testing import StepRecorder, killed_after, rendezvous, small_config
 
 from megatron_rl.data.sampler import PromptSampler
-from megatron_rl.train.async_rollout import overlap, staleness_metrics
+from megatron_rl.train.async_rollout import Producer, overlap, staleness_metrics
 from megatron_rl.train.config import TrainConfig, parse_args
 from megatron_rl.train.run import run
 from megatron_rl.train.trainer import Trainer
@@ -41,6 +43,35 @@ def test_config_validation():
     config = parse_args(["--async-rollout", "--max-staleness", "2"])
     assert config.rollout.async_rollout and config.rollout.max_staleness == 2
     assert not parse_args([]).rollout.async_rollout and parse_args([]).rollout.max_staleness == 1
+
+
+def test_the_producer_reports_a_running_generation_up_to_now_and_keeps_16_intervals():
+    """`time/generation` of a step counts the part of a generation still running at its end
+    (with partial rollouts the sync does not wait for it), and the interval history is bounded."""
+    started, release = threading.Event(), threading.Event()
+
+    def generate(prompts, index):
+        if index == 0:
+            started.set()
+            release.wait()
+        return [], {}
+
+    producer = Producer(generate)
+    try:
+        producer.submit(0, [1])
+        started.wait()
+        (start, end), *rest = producer.spans()
+        assert not rest and start <= end <= time.perf_counter() and producer.intervals == []
+        release.set()
+        producer.result(0)
+        assert producer.spans() == producer.intervals and len(producer.intervals) == 1
+        for index in range(1, 21):
+            producer.submit(index, [index])
+            producer.result(index)
+        assert len(producer.intervals) == 16
+    finally:
+        release.set()
+        producer.close()
 
 
 def test_staleness_metrics_and_overlap_helpers():
