@@ -451,20 +451,21 @@ def test_partial_rollouts_and_carried_groups_through_the_real_cli_and_server(ser
     spanning = sum(r["carry_over/spanning_samples"] for r in rows)
     carried = sum(r["carry_over/taken_from_earlier"] for r in rows)
     multi = max(r["staleness/multi_version_sample_frac"] for r in rows)
+    masked = max(r["staleness/masked_token_frac"] for r in rows)
     gap = sorted(r["mismatch/train_rollout_logprob_abs_gap"] for r in rows)[steps // 2]
     agreement = sorted(r["routing/agreement/behaviour"] for r in rows)[steps // 2]
     print(
         f"real SGLang, partial + carry-over: {spanning:.0f} samples spanning versions, "
-        f"{carried:.0f} carried groups trained, multi-version share up to {multi:.2f}, median "
+        f"{carried:.0f} carried groups trained, multi-version share up to {multi:.2f}, "
+        f"tokens masked as older than K up to {masked:.2f}, median "
         f"rounds {sorted(r['carry_over/rounds'] for r in rows)[steps // 2]:.0f}, median "
         f"|train - rollout| {gap:.2e}, routing agreement {agreement:.4f}"
     )
     assert spanning > 0 and carried > 0 and multi > 0
     assert all(r["carry_over/carried_groups"] == 4 for r in rows)
     assert all(r["rollout/aborted"] == 0 for r in rows)
-    assert all(r["async/staleness_mean"] <= 2 for r in rows)
     # measured: gap 5.5e-2, agreement 0.84, below the synchronous run's (< 0.05, > 0.9) because
-    # the engine's tokens and routes here are up to K + 1 versions older than the trainer's
+    # the engine's tokens and routes here are often several versions older than the trainer's
     # weights; log-probs or routes shifted by one token would be off by nats and agree on about
     # top-k / experts = 2 / 8 of the choices
     assert gap < 0.15 and agreement > 0.6, (gap, agreement)
