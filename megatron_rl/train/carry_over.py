@@ -109,7 +109,9 @@ class CarryOver:
         self.max_response_length = max_response_length
         self.codec = codec
         self.carried: list[PoolGroup] = []
-        self.after: dict[int, dict] = {}  # rollout index -> the state after it (checkpoints)
+        # rollout index -> the carried groups after it (checkpoints), as copies: later rounds
+        # extend the live samples; serialised only when a checkpoint asks (`state_after`)
+        self.after: dict[int, list[PoolGroup]] = {}
 
     def generate(
         self, prompts: list[int], index: int, params: SamplingParams
@@ -133,7 +135,7 @@ class CarryOver:
         finished = [g for g in pool if g.finished][: self.batch_groups]  # oldest first
         taken = {id(g) for g in finished}
         self.carried = [g for g in pool if id(g) not in taken]
-        self.after[index] = self.state_dict()
+        self.after[index] = [_copy(g) for g in self.carried]
         for old in [i for i in self.after if i < index - 64]:  # a bounded history
             del self.after[old]
         samples = [
@@ -214,13 +216,11 @@ class CarryOver:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """The carried groups as JSON-able data (routes as base64 of their int16/int32 rows)."""
-        return {"groups": [_group_state(g) for g in self.carried]}
+        return _state(self.carried)
 
     def state_after(self, index: int) -> dict:
         """The state after rollout ``index`` (-1: before the first: empty)."""
-        if index < 0:
-            return {"groups": []}
-        return self.after[index]
+        return _state(self.after[index] if index >= 0 else [])
 
     def load_state_dict(self, state: dict, index: int) -> None:
         """The carried groups of a checkpoint taken after rollout ``index``."""
@@ -232,7 +232,22 @@ class CarryOver:
                 "checkpoint's --carry-over-groups and data-parallel size"
             )
         self.carried = groups
-        self.after = {index: state}
+        self.after = {index: [_copy(g) for g in groups]}
+
+
+def _copy(group: PoolGroup) -> PoolGroup:
+    """A snapshot of ``group`` (routes are replaced by later rounds, never changed in place)."""
+    samples = [
+        dataclasses.replace(
+            s, response=list(s.response), logprobs=list(s.logprobs), spans=list(s.spans)
+        )
+        for s in group.samples
+    ]
+    return PoolGroup(group.prompt, group.drawn_at, samples)
+
+
+def _state(groups: list[PoolGroup]) -> dict:
+    return {"groups": [_group_state(g) for g in groups]}
 
 
 def _round_seed(seed: int | None, round_index: int) -> int | None:
