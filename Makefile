@@ -41,9 +41,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# the real SGLang server and router tests are part of the suite: a missing venv is an error
+# the real SGLang server and router tests are part of the suite: a missing venv is an error;
+# the 30 slowest tests are listed at the end (the suite's time budget is watched there)
 test: lint $(SGLANG_STAMP)
-	MEGATRON_RL_REAL_SGLANG=require $(PY) -m pytest -n 2 --dist loadgroup -q
+	MEGATRON_RL_REAL_SGLANG=require $(PY) -m pytest -n 2 --dist loadgroup -q --durations=30
 
 test-fast: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"

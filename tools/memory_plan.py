@@ -49,6 +49,7 @@ from megatron_rl.memory_plan import (
     load_model_config,
     plan_memory,
 )
+from megatron_rl.memory_plan.colocate import ColocatedPlan, ServerOptions, plan_colocated
 from megatron_rl.model.stages import megatron_stage_layers
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.routing.codec import CODECS
@@ -149,6 +150,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--moe-imbalance", type=float, default=1.0)
     parser.add_argument("--reserve-gib", type=float, default=4.0)
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory in GiB")
+    colocated = parser.add_argument_group("colocated (megatron_rl.memory_plan.colocate)")
+    colocated.add_argument(
+        "--colocated",
+        action="store_true",
+        help="SGLang servers on the trainer's GPUs (the trainer's --colocate): each phase per "
+        "GPU, the KV-cache budget and the --mem-fraction-static to pass to SGLang",
+    )
+    colocated.add_argument("--server-tp", type=int, default=8, help="TP of each SGLang server")
+    colocated.add_argument("--gpus-per-node", type=int, default=8)
+    colocated.add_argument(
+        "--server-residue-gib",
+        type=float,
+        default=3.0,
+        help="what a released server still holds per GPU (context, NCCL, allocator cache)",
+    )
+    colocated.add_argument(
+        "--sglang-reserve-gib",
+        type=float,
+        help="SGLang's non-static share per GPU (default: SGLang's own heuristic, 14.5 at TP 8)",
+    )
+    colocated.add_argument("--host-gib", type=float, default=2048.0, help="host memory per node")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser.parse_args(argv)
 
@@ -291,17 +313,57 @@ def attention_line(plan: MemoryPlan) -> str:
     )
 
 
+def build_colocated(args: argparse.Namespace, plan: MemoryPlan) -> ColocatedPlan:
+    server = ServerOptions(
+        tp=args.server_tp,
+        gpus_per_node=args.gpus_per_node,
+        residue_gib=args.server_residue_gib,
+        reserve_gib=args.sglang_reserve_gib,
+        host_gib=args.host_gib,
+    )
+    return plan_colocated(plan, server)
+
+
+def render_colocated(colocated: ColocatedPlan, console: Console) -> None:
+    """Each colocated phase per GPU, its terms, the KV budget and the verdict."""
+    plan, server = colocated.plan, colocated.server
+    table = Table(title=f"colocated: per GPU, one SGLang server (TP {server.tp}) per node")
+    for column in ("phase", "GiB", "terms (GiB)"):
+        table.add_column(column, justify="left" if column != "GiB" else "right")
+    for phase in colocated.phases:
+        terms = ", ".join(f"{t.name} {t.gib:.2f}" for t in phase.terms if t.on_gpu)
+        table.add_row(escape(phase.name), f"{phase.nbytes / GIB:.2f}", escape(terms))
+    console.print(table)
+    console.print(
+        f"KV cache {colocated.kv_bytes / GIB:.2f} GiB per GPU = {colocated.kv_tokens:,} tokens "
+        f"({colocated.kv_bytes_per_token:,} B per token per GPU); SGLang "
+        f"--mem-fraction-static {colocated.mem_fraction_static}; host "
+        f"{colocated.host_bytes_per_node / GIB:.1f} GiB per node of {server.host_gib:g}"
+    )
+    for warning in colocated.warnings:
+        console.print(f"[yellow]warning[/yellow]: {escape(warning)}")
+    verdict = "FITS" if colocated.fits else "DOES NOT FIT"
+    console.print(f"[bold]colocated: {verdict}[/bold] in {plan.gpu_gib:g} GiB")
+    for problem in colocated.problems:
+        console.print(f"  {escape(problem)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         plan = build_plan(args)
+        colocated = build_colocated(args, plan) if args.colocated else None
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model_name": args.model, **plan.to_dict()}, indent=2))
+        extra = {"colocated": colocated.to_dict()} if colocated else {}
+        print(json.dumps({"model_name": args.model, **plan.to_dict(), **extra}, indent=2))
     else:
-        render(plan, args.model, Console(width=160))
+        console = Console(width=160)
+        render(plan, args.model, console)
+        if colocated:
+            render_colocated(colocated, console)
     return 0
 
 

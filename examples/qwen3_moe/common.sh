@@ -261,3 +261,90 @@ slurm_entry() {
     SLURM_NODEID=${node} SLURM_PROCID=${node} bash "${self}" --node
   done
 }
+
+# ----------------------------------------------------------------------------- colocated mode
+# The trainer's --colocate (run_qwen3_30b_a3b_colocated.sh): every node trains AND serves, on the
+# same GPUs. A run script sets SERVER_CMD (array: this node's SGLang server on all of its GPUs),
+# SERVER_URL (that server's address on this node) and TRAIN_CMD, then calls
+# `launch_colocated_node`. The server starts first, in a process group of its own (log:
+# RUN_DIR/sglang-node<RANK>.log), and must answer /health within SERVER_WAIT_S (default 900 s)
+# before torchrun starts: SGLang sizes its KV cache from the memory free when it starts, so the
+# trainer must hold none of it yet. The server stops (its group: SIGTERM, then SIGKILL after
+# 30 s) when training ends, fails, or this script is signalled; torchrun ends every node's
+# ranks when one fails, so every node's server goes with it.
+
+# Start SERVER_CMD in the background and wait (bounded) for its /health; 1 if it fails.
+start_server() {
+  local log="${RUN_DIR}/sglang-node${NODE_RANK}.log"
+  local deadline=$(( SECONDS + SERVER_WAIT_S ))
+  mkdir -p "${RUN_DIR}"
+  setsid "${SERVER_CMD[@]}" > "${log}" 2>&1 &
+  SERVER_PID=$!
+  until curl -sf -m 30 -o /dev/null "${SERVER_URL}/health"; do
+    if ! kill -0 "${SERVER_PID}" 2>/dev/null; then
+      echo "error: node ${NODE_RANK}'s SGLang server exited before answering /health; see ${log}" >&2
+      stop_server  # what is left of its group
+      return 1
+    fi
+    if (( SECONDS >= deadline )); then
+      echo "error: node ${NODE_RANK}'s SGLang server did not answer ${SERVER_URL}/health within ${SERVER_WAIT_S} s; see ${log}" >&2
+      stop_server
+      return 1
+    fi
+    sleep 2
+  done
+}
+
+# Stop the server's process group (it is its own group leader: setsid).
+stop_server() {
+  [[ -n "${SERVER_PID:-}" ]] || return 0
+  kill -TERM -- "-${SERVER_PID}" 2>/dev/null || true
+  local i
+  for (( i = 0; i < 30; i++ )); do
+    kill -0 "${SERVER_PID}" 2>/dev/null || break
+    sleep 1
+  done
+  kill -KILL -- "-${SERVER_PID}" 2>/dev/null || true
+  wait "${SERVER_PID}" 2>/dev/null || true
+  SERVER_PID=
+}
+
+# This node: its server, then `train_node` (in a subshell, under its own traps); the server
+# stops when training ends or on SIGTERM/SIGINT to this script.
+colocated_node() {
+  SERVER_WAIT_S=${SERVER_WAIT_S:-900}
+  if dry_run; then
+    echo "${SERVER_CMD[*]} &"
+    echo "# would wait up to ${SERVER_WAIT_S} s for ${SERVER_URL}/health, then train; the server stops when training ends"
+    train_node
+  fi
+  SERVER_PID=
+  TRAIN_PID=
+  trap 'stop_server' EXIT
+  trap 'echo "signal: stopping training, then the server" >&2; stop_colocated; exit 143' TERM INT
+  start_server || exit 1
+  train_node &
+  TRAIN_PID=$!
+  local status=0
+  wait "${TRAIN_PID}" || status=$?
+  exit "${status}"
+}
+
+# Training (its subshell stops torchrun on SIGTERM), then the server.
+stop_colocated() {
+  if [[ -n "${TRAIN_PID:-}" ]]; then
+    kill -TERM "${TRAIN_PID}" 2>/dev/null || true
+    wait "${TRAIN_PID}" 2>/dev/null || true
+  fi
+  stop_server
+}
+
+# This node's role in colocated mode: every node trains and serves.
+launch_colocated_node() {
+  if (( NODE_RANK < 0 || NODE_RANK >= NODES )); then
+    echo "error: NODE_RANK=${NODE_RANK}: must be 0..$(( NODES - 1 ))" >&2
+    exit 1
+  fi
+  announce_node
+  colocated_node
+}

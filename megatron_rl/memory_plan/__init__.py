@@ -44,8 +44,9 @@ transformers (`load_model_config` imports transformers to build a config by name
 Modules: `shape` (the model), `layout` (parallel sizes), `options` (training choices), `terms`
 (`Term`, `Phase`), `params` (weights and grad buffers, exact), `static` (the terms live for the
 whole step), `activations` (per-layer, attention core, stored activations: estimates), `phases`
-(the step's phases), `plan` (`plan_memory`, the peak and the verdict). The pipeline layer split
-is `megatron_rl.model.stages.megatron_stage_layers`.
+(the step's phases), `plan` (`plan_memory`, the peak and the verdict), `colocate`
+(`plan_colocated`: SGLang servers on the trainer's GPUs, the KV budget, mem-fraction-static).
+The pipeline layer split is `megatron_rl.model.stages.megatron_stage_layers`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ from megatron_rl.memory_plan.activations import (
     attention_bytes,
     layer_activation_bytes,
     stored_activations,
+)
+from megatron_rl.memory_plan.colocate import (
+    ColocatedPlan,
+    ServerOptions,
+    kv_bytes_per_token,
+    plan_colocated,
 )
 from megatron_rl.memory_plan.layout import (
     Layout,
@@ -126,6 +133,7 @@ __all__ = [
     "REPLAY",
     "SPECS",
     "AttentionBytes",
+    "ColocatedPlan",
     "GradBuffer",
     "Layout",
     "MemoryPlan",
@@ -133,16 +141,19 @@ __all__ = [
     "ParamTensor",
     "Phase",
     "PlanOptions",
+    "ServerOptions",
     "StageParams",
     "StagePlan",
     "StoredActivations",
     "Term",
     "attention_bytes",
     "grad_buffers",
+    "kv_bytes_per_token",
     "layer_activation_bytes",
     "load_model_config",
     "megatron_buffer",
     "optimizer_state_bytes",
+    "plan_colocated",
     "plan_memory",
     "stage_params",
     "stage_phases",

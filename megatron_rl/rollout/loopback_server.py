@@ -9,7 +9,8 @@ SGLang 0.5's HTTP API (field names from ``sglang/srt/managers/io_struct.py``) th
 ``/pause_generation``, ``/continue_generation``, ``/abort_request``, ``/begin_weight_update``,
 ``/end_weight_update``, ``/update_weights_from_disk``, ``/update_weights_from_tensor``,
 ``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``, ``/update_weight_version``.
+``/destroy_weights_update_group``, ``/update_weight_version``, ``/release_memory_occupation``,
+``/resume_memory_occupation``.
 
 ``update_weights_from_tensor`` reads SGLang's ``MultiprocessingSerializer`` format (base64 of a
 ``ForkingPickler`` pickle; on CPU a tensor arrives as a shared-memory handle), with or without
@@ -65,6 +66,20 @@ stalled requests (the client's tests count exactly those). ``meta_info.weight_ve
 the segments of every answer as SGLang >= 0.5.19 does (``srt/utils/weight_versions.py``,
 ``add_weight_versions_to_meta_info``: ``[{"version", "start", "end"}]``, versions as strings),
 and ``meta_info.weight_version`` is then the newest segment's version.
+
+Memory occupation, as SGLang 0.5.23 (``srt/managers/scheduler_components/weight_updater.py``
+``release_memory_occupation`` / ``resume_memory_occupation``; tags in
+`megatron_rl.rollout.memory_occupation`): ``/release_memory_occupation`` (``{"tags": [...]}``,
+none: all of ``kv_cache``, ``weights``, ``cuda_graph``) needs an idle server, waiting requests
+ignored while generation is paused in ``retract`` / ``in_place`` mode (``is_fully_idle(
+ignore_waiting=scheduler._engine_paused)``), and releasing ``kv_cache`` flushes the cache;
+``/resume_memory_occupation`` of a tag that is not released is refused. Both answer 200 with no
+body. Where SGLang's scheduler would die or touch freed GPU memory, this server answers HTTP 400
+(``{"error": {"message": ...}}``, SGLang's error shape) instead: a release while requests run
+(SGLang asserts), a resume of an unreleased tag (``KeyError``), ``/generate`` while any tag is
+released (SGLang schedules it into released KV cache, weights or CUDA-graph memory; ``/health``
+answers 503), and a weight update or ``/weights_checksum`` while ``weights`` is released (SGLang
+loads into the freed weights: resume ``weights`` first, as slime does before each update).
 """
 
 from __future__ import annotations
@@ -87,6 +102,7 @@ import torch
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.flat_bucket import FLATTENED
 from megatron_rl.rollout.inprocess import PAUSE_MODES, InProcessEngine
+from megatron_rl.rollout.memory_occupation import KV_CACHE, MEMORY_TAGS, WEIGHTS, MemoryOccupation
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.weight_group import GroupMemberProcess
 
@@ -121,6 +137,7 @@ class LoopbackServer:
         self.flush_ignores_retracted = True  # False: a release before 0.5.21 (see the docstring)
         self.pause_mode: str | None = None  # the mode of /pause_generation, until continued
         self._session_open = False
+        self.memory = MemoryOccupation()  # released tags (/release_memory_occupation)
         self.aborts: list[dict] = []  # /abort_request payloads, in order (tests inspect them)
         self._running: dict[int, str | None] = {}  # /generate in progress: id -> rid
         self._aborted: set[int] = set()
@@ -128,6 +145,7 @@ class LoopbackServer:
         self._flushing = False
         self._keys = itertools.count()
         self.requests: list[str] = []  # paths served, in order (tests inspect it)
+        self.tensor_entries: list[list[str]] = []  # per tensor update: the entries read
         self.weight_groups: dict[str, GroupMemberProcess] = {}
         self._resume = threading.Event()
         self._resume.set()
@@ -194,7 +212,9 @@ class LoopbackServer:
             "/update_weights_from_distributed": self._from_distributed,
             "/destroy_weights_update_group": self._destroy_group,
             "/update_weight_version": self._update_version,
-            "/weights_checksum": lambda p: (200, self.engine.checksums(p["names"])),
+            "/weights_checksum": self._checksums,
+            "/release_memory_occupation": self._release_memory,
+            "/resume_memory_occupation": self._resume_memory,
         }
         if not self.sessions:  # an SGLang release before weight-update sessions
             del routes["/begin_weight_update"], routes["/end_weight_update"]
@@ -210,6 +230,8 @@ class LoopbackServer:
         }
 
     def _health(self, payload: dict) -> tuple[int, object]:
+        if self.memory.missing_for("/health", MEMORY_TAGS):  # its generation needs all three
+            return 503, None
         # SGLang 0.5.23: the health generation waits behind a pause; after
         # SGLANG_HEALTH_CHECK_TIMEOUT (20 s) the handler answers 503
         if not self._resume.wait(timeout=self.health_check_timeout_s):
@@ -291,6 +313,37 @@ class LoopbackServer:
             "or waiting requests, the operation will not be performed.)\n"
         )
 
+    def _release_memory(self, payload: dict) -> tuple[int, object]:
+        # SGLang 0.5.23 weight_updater.py release_memory_occupation: asserts
+        # is_fully_idle(ignore_waiting=engine paused), then adds the tags to offload_tags
+        with self._state:  # no /generate is admitted between the idle check and the release
+            paused = self.pause_mode in ("retract", "in_place")  # the scheduler's _engine_paused
+            if not self._idle(waiting_counts=not paused):
+                message = "release_memory_occupation should be called only when server is idle."
+                return 400, {"error": {"message": message}}  # SGLang: the assert ends the server
+            tags = self.memory.release(payload.get("tags"))
+        if KV_CACHE in tags:  # SGLang pauses the KV memory, then flush_cache()
+            self.engine.flush_cache()
+        return 200, None
+
+    def _resume_memory(self, payload: dict) -> tuple[int, object]:
+        try:  # SGLang: offload_tags.remove(tag), KeyError (and a dead scheduler) if not released
+            self.memory.resume(payload.get("tags"))
+        except ValueError as err:
+            return 400, {"error": {"message": str(err)}}
+        return 200, None
+
+    def _refused_without_weights(self, what: str) -> tuple[int, object] | None:
+        """HTTP 400 while ``weights`` is released (SGLang would load into freed memory)."""
+        if message := self.memory.missing_for(what, (WEIGHTS,)):
+            return 400, {"success": False, "message": message}
+        return None
+
+    def _checksums(self, payload: dict) -> tuple[int, object]:
+        if refused := self._refused_without_weights("/weights_checksum"):
+            return refused
+        return 200, self.engine.checksums(payload["names"])
+
     def _flush_after_update(self, payload: dict, answer: tuple[int, object]) -> tuple[int, object]:
         """SGLang's ``flush_cache_after_weight_update``: a successful update whose flush is
         refused (requests running, or parked in place) fails, its weights and version kept."""
@@ -353,6 +406,8 @@ class LoopbackServer:
         with self._state:
             if not self._state.wait_for(lambda: self.pause_mode is None, timeout=60):
                 return 503, {"error": "generation paused for more than 60 s"}
+            if message := self.memory.missing_for("/generate", MEMORY_TAGS):
+                return 400, {"error": {"message": message}}  # SGLang: runs on freed memory
             key = self._track(payload)  # admitted and counted at once: no pause in between
         try:
             return self._generate_now(payload)
@@ -455,6 +510,9 @@ class LoopbackServer:
     def _from_disk(self, payload: dict) -> tuple[int, object]:
         from megatron_rl.model.conversion.safetensors_io import CheckpointReader
 
+        if refused := self._refused_without_weights("update_weights_from_disk"):
+            return refused
+
         try:
             with CheckpointReader(payload["model_path"]) as reader:
                 count = self.engine.load_weights_in_place(
@@ -470,14 +528,27 @@ class LoopbackServer:
     def _from_tensor(self, payload: dict) -> tuple[int, object]:
         if refused := self._refused_outside_session("update_weights_from_tensor"):
             return refused
-        # As SGLang's TP rank 0: its own entry, ``MultiprocessingSerializer.deserialize``
-        # (base64, then an unpickler that admits only tensor and plain-data globals).
+        if refused := self._refused_without_weights("update_weights_from_tensor"):
+            return refused
+        # As each of SGLang's ``tp_size`` TP ranks: its own entry (``deserialize_own_rank``),
+        # by ``MultiprocessingSerializer.deserialize`` (base64, then an unpickler that admits
+        # only tensor and plain-data globals). Rank 0's tensors are loaded; every other rank's
+        # must be the same bytes (each TP rank loads the full tensors and keeps its shard).
         try:
-            named = _deserialize_tensors(
-                payload["serialized_named_tensors"][0], payload.get("load_format")
-            )
+            entries = payload["serialized_named_tensors"]
+            ranks = [
+                _deserialize_tensors(entries[r], payload.get("load_format"))
+                for r in range(self.tp_size)
+            ]
         except (KeyError, IndexError, ValueError, RuntimeError, pickle.UnpicklingError) as err:
             return 400, {"success": False, "message": f"{type(err).__name__}: {err}"}
+        named = ranks[0]
+        for r, other in enumerate(ranks[1:], start=1):
+            for (name, want), (other_name, got) in zip(named, other, strict=True):
+                if name != other_name or not torch.equal(want, got):
+                    message = f"TP rank {r} received other bytes for {name!r} than rank 0"
+                    return 400, {"success": False, "message": message}
+        self.tensor_entries.append(list(entries[: self.tp_size]))
         try:
             count = self.engine.load_weights_in_place(named, check_finite=False)
         except ValueError as err:
@@ -512,6 +583,8 @@ class LoopbackServer:
 
     def _from_distributed(self, payload: dict) -> tuple[int, object]:
         if refused := self._refused_outside_session("update_weights_from_distributed"):
+            return refused
+        if refused := self._refused_without_weights("update_weights_from_distributed"):
             return refused
         group = self.weight_groups.get(payload["group_name"])
         if group is None:

@@ -4,7 +4,8 @@ Where requests go. ``http.urls`` are the SGLang *worker* servers (``sglang.launc
 ``router_url``, when given, is an ``sglang-router`` in front of them. Generation (``/generate``,
 `score`) goes to the router when there is one, else straight to the workers with the client's
 own failover. Every control call goes to each worker URL, never to the router: pause / continue,
-``/flush_cache``, ``/abort_request``, the weight updates and ``/update_weight_version``, and the
+``/flush_cache``, ``/abort_request``, the weight updates and ``/update_weight_version``, the
+memory-occupation calls of ``--colocate`` (`release_memory` / `resume_memory`), and the
 weight-version reads of `health`. sglang-router 0.3.2 serves only ``/generate``, ``/health``,
 ``/health_generate``, ``/flush_cache``, ``/get_model_info`` (and the OpenAI routes), none of the
 pause, weight-update or weight-version routes, and it is no member of the weight-update process
@@ -53,6 +54,7 @@ import torch
 
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, check_url
+from megatron_rl.rollout.memory_occupation import check_memory_tags, memory_tags
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.sglang_payload import (
     decode_generate,
@@ -339,21 +341,37 @@ class SGLangEngine:
                 )
 
     def membership_metrics(self) -> dict[str, float]:
-        """The same four keys on every call: ``rollout/servers_up`` (pool members),
+        """The same keys on every call of a run: ``rollout/servers_up`` (pool members),
         ``rollout/servers_out`` (dropped and not rejoined: up + out = the ``--sglang-url``
-        count), ``rollout/servers_dropped`` and ``rollout/servers_rejoined`` (events so far)."""
-        return {
+        count), ``rollout/servers_dropped`` and ``rollout/servers_rejoined`` (events so far);
+        after a sync also its ``weight_sync/seconds``, ``weight_sync/mb`` and, with one sender
+        per pipeline stage, ``weight_sync/stage_mb/<stage>``."""
+        out = {
             "rollout/servers_up": float(len(self.workers.members())),
             "rollout/servers_out": float(len(self.workers.dropped())),
             "rollout/servers_dropped": float(self.weight_sync.dropped_total),
             "rollout/servers_rejoined": float(self.weight_sync.rejoined_total),
         }
+        report = self.last_sync
+        if report is not None:
+            out["weight_sync/seconds"] = report.seconds
+            out["weight_sync/mb"] = report.num_bytes / 1e6
+            for stage, num_bytes in enumerate(report.stage_bytes):
+                out[f"weight_sync/stage_mb/{stage}"] = num_bytes / 1e6
+        return out
 
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        stages=(),
+        peers=None,
     ) -> None:
-        """Sync over the configured transport (`WeightSync.sync`); WeightSyncError on failure."""
-        self.last_sync = self.weight_sync.sync(named_tensors, version)
+        """Sync over the configured transport (`WeightSync.sync`); WeightSyncError on failure.
+        ``stages``: the other pipeline stages' senders (`weight_sync.stages.RemoteStage`);
+        ``peers``: colocated, every trainer rank's handles (`weight_sync.rank_handles`)."""
+        self.last_sync = self.weight_sync.sync(named_tensors, version, stages=stages, peers=peers)
         self._version = version
 
     def flush_cache(self) -> None:
@@ -365,6 +383,35 @@ class SGLangEngine:
         """``/abort_request`` with ``abort_all`` on every worker (the router has no such route);
         best effort: failures are logged."""
         self._abort({"abort_all": True})
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``/release_memory_occupation`` of ``tags`` (None: ``kv_cache``, ``weights`` and
+        ``cuda_graph``) on every member worker at once (colocated mode). Each server must be
+        idle; RuntimeError naming the servers that refused (SGLang itself dies there)."""
+        self._memory_call("/release_memory_occupation", tags)
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``/resume_memory_occupation`` of ``tags`` (None: all three) on every member worker;
+        each tag must have been released. RuntimeError naming the servers that failed."""
+        self._memory_call("/resume_memory_occupation", tags)
+
+    def _memory_call(self, path: str, tags: Sequence[str] | None) -> None:
+        payload = {"tags": list(memory_tags(check_memory_tags(tags)))}
+        failed: dict[str, str] = {}
+
+        def call(url: str) -> bool:
+            try:
+                self.workers.call_on(url, "POST", path, payload)
+            except RuntimeError as err:
+                failed[url] = str(err)
+                return False
+            return True
+
+        self.workers.each(call, self.workers.members())
+        if failed:
+            raise RuntimeError(
+                f"{path} {payload['tags']} failed on {len(failed)} servers: {failed}"
+            )
 
     def _abort_timed_out(self, url: str, payload: object) -> None:
         rid = payload.get("rid") if isinstance(payload, dict) else None

@@ -172,6 +172,7 @@ class TrainConfig:
                 "requests across a weight sync: pass --sglang-pause-mode retract (KV recomputed "
                 "with the new weights) or in_place (old KV kept), not abort"
             )
+        self._check_colocate()
         samples, batch = self.rollout.samples_per_rollout, self.schedule.global_batch_size
         if samples % batch:
             raise ValueError(
@@ -185,6 +186,22 @@ class TrainConfig:
                 self.data_parallel_size(int(world))
             except ValueError as err:
                 raise ValueError(f"{err} (WORLD_SIZE={world}, set by torchrun)") from None
+
+    def _check_colocate(self) -> None:
+        """``--colocate``: one phase holds the GPUs at a time (train/colocate.py)."""
+        if not self.engine.colocate:
+            return
+        if self.rollout.async_rollout:
+            raise ValueError(
+                "--colocate with --async-rollout: the next rollout would generate while the "
+                "trainer holds the GPUs; drop one of them"
+            )
+        if self.eval.enabled:
+            raise ValueError(
+                "--colocate with evaluation (--eval-interval / --eval-before-train): between "
+                "steps the servers hold only their weights (KV cache released) and cannot "
+                "generate; drop the evaluation flags"
+            )
 
     @classmethod
     def from_flags(cls, **flags) -> TrainConfig:

@@ -46,6 +46,13 @@ class EngineConfig:
         choices=WEIGHT_SYNC_TRANSPORTS,
         help="distributed (NCCL/gloo broadcast), tensor (shared memory, same host) or disk",
     )
+    per_stage_senders: bool = option(
+        True,
+        name="weight-sync-from-rank-0",
+        help="with pipeline parallelism and the distributed transport, send every stage's "
+        "tensors from global rank 0 (over the pipeline group first) instead of from each "
+        "stage's first rank over a weight group of its own",
+    )
     sglang_engine_ranks: int = option(1, help="TP ranks of each SGLang server (weight-sync group)")
     sglang_request_timeout: float | None = option(
         None,
@@ -91,6 +98,15 @@ class EngineConfig:
         help="the slowest weight push (GB/s) that is still healthy: the other ranks wait for "
         "rank 0's push at most 300 s + 2 x model bytes / this (not the process group's timeout)",
     )
+    colocate: bool = option(
+        False,
+        help="trainer ranks and SGLang servers share the GPUs: around each rollout the trainer "
+        "offloads its parameters, gradient buffers and optimizer state to host memory and the "
+        "servers resume their KV cache and CUDA graphs; before the update the servers release "
+        "all their memory and the trainer onloads; before the weight sync the servers resume "
+        "their weights (needs --rollout-engine sglang, --weight-sync-transport tensor; see "
+        "docs/rollout-and-sglang.md)",
+    )
     routing_dtype: str = derived("auto", source="replay.dtype")  # codec of the engine's routes
     # a sync pauses running generations instead of waiting for them (the in-process engine too)
     partial_rollout: bool = derived(False, source="rollout.partial_rollout")
@@ -105,6 +121,14 @@ class EngineConfig:
         check_positive_ints(self, "sglang_engine_ranks", "sglang_min_servers")
         if self.kind == "sglang" and not self.sglang_url:
             raise ValueError("--rollout-engine sglang needs at least one --sglang-url")
+        if self.colocate and (self.kind != "sglang" or self.weight_sync_transport != "tensor"):
+            raise bad_value(
+                self,
+                "colocate",
+                "needs --rollout-engine sglang and --weight-sync-transport tensor (servers on "
+                f"the trainer's GPUs; got --rollout-engine {self.kind} and "
+                f"--weight-sync-transport {self.weight_sync_transport})",
+            )
         if not (math.isfinite(self.weight_sync_min_gbps) and self.weight_sync_min_gbps > 0):
             raise bad_value(self, "weight_sync_min_gbps", "must be a number > 0 (GB/s)")
         if not self.sglang_startup_timeout > 0:

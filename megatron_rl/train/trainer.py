@@ -45,9 +45,11 @@ from megatron_rl.collectives import (
 from megatron_rl.losses import rollout_correction
 from megatron_rl.losses.clip_positions import clip_profile_from_counts
 from megatron_rl.model import build_model
-from megatron_rl.model.conversion import iter_hf_tensors_every_stage
+from megatron_rl.model.conversion import iter_hf_tensors, iter_hf_tensors_every_stage
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.rollout.protocol import RolloutEngine
+from megatron_rl.rollout.weight_sync.rank_handles import HandleLink, serve_handles
+from megatron_rl.rollout.weight_sync.tensor import bucket_object, serializer
 from megatron_rl.routing import RoutingCodec
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
@@ -55,6 +57,7 @@ from megatron_rl.train.async_rollout import AsyncRollouts
 from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.carry_over import CarryOver
+from megatron_rl.train.colocate import Colocation, release_generation_memory
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
 from megatron_rl.train.engines import build_engine
@@ -62,6 +65,7 @@ from megatron_rl.train.learning_guard import LearningGuard
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
+from megatron_rl.train.offload import TrainerOffload
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.reference import ReferencePolicy
 from megatron_rl.train.rollout_phase import rollout_params, run_rollout, score_rollout
@@ -113,6 +117,15 @@ class Trainer:
         self.tokenizer, self.records, self.reward_fn = task.tokenizer, task.records, task.reward_fn
         self.sampler = task.new_sampler()
         self.hf_config = task.hf_config
+        # remote servers first (an SGLang client touches no RNG): colocated, they release
+        # their generation memory before the model is built; the in-process engine is built
+        # after the model, whose initialisation it must not move
+        engine_config = config.engine
+        self.engine: RolloutEngine | None = self._build_engine() if engine_config.remote else None
+        # remote servers receive the whole model from rank 0; an in-process engine, its own
+        self.pushes_weights = engine_config.remote and dist.get_rank() == 0
+        if engine_config.colocate:  # the servers leave the GPUs to the model about to be built
+            release_generation_memory(self.engine if self.pushes_weights else None)
         options = config.model
         model = build_model(self.hf_config, options)
         if task.checkpoint_dir is not None:
@@ -150,20 +163,25 @@ class Trainer:
             temperature=config.rollout.temperature,
         )
         self.reward_error: str | None = None  # the latest rollout's first failed reward, if any
-        self.engine: RolloutEngine | None = None
-        engine_config = config.engine
-        if self.is_generator or engine_config.remote:  # remote: every rank holds a client
-            self.engine = build_engine(
-                engine_config, self.hf_config, self.tokenizer.pad_token_id, config.parallel.seed
-            )
-            # SGLang listens only once its model is loaded: wait before the first sync
-            waited = self.engine.wait_until_ready()
-            if waited > 1.0:
-                logger.info("rollout servers ready after %.0f s", waited)
-        # remote servers receive the whole model from rank 0; an in-process engine, its own
-        self.pushes_weights = self.engine is not None and (
-            not engine_config.remote or dist.get_rank() == 0
-        )
+        if self.is_generator and not engine_config.remote:
+            self.engine = self._build_engine()
+            self.pushes_weights = True
+        # pipeline stages over the distributed transport: each stage's first rank broadcasts
+        # its own tensors (weight_sync/stages.py), rank 0 drives them
+        self.stage_senders: list = []  # rank 0: stages 1.. (RemoteStage)
+        self.stage_sender = None  # a stage's first rank (StageSender)
+        if (
+            engine_config.remote
+            and self.pp > 1
+            and engine_config.per_stage_senders
+            and engine_config.weight_sync_transport == "distributed"
+        ):
+            self.stage_senders, self.stage_sender = _stage_senders(self.pp_group, self.engine)
+        # --colocate: each server loads from the trainer ranks on its own GPUs
+        # (weight_sync/rank_handles.py): every rank stages every bucket
+        self.handle_link = None
+        if engine_config.colocate:
+            self.handle_link = HandleLink(self.engine.config.sync, len(engine_config.sglang_url))
         self.step_index = 0
         self.weight_version = 0
         self.carry_over = self._carry_over()
@@ -191,6 +209,7 @@ class Trainer:
                 "the loss's ratio is taken against the current weights, not the policy that "
                 "generated the (one version old) samples; see megatron_rl/train/async_rollout.py"
             )
+        self.colocation = self._colocation()  # --colocate: who holds the GPUs, when
         self.sync_weights(version=0)
 
     # ------------------------------------------------------------------ phases
@@ -206,9 +225,13 @@ class Trainer:
         None is returned; before an update the remaining updates are skipped and the step ends.
         """
         start = time.perf_counter()
+        if self.colocation is not None:  # the trainer leaves the GPUs to the servers
+            self.colocation.before_rollout()
         batch = self.rollouts.take(self.step_index, self.weight_version)
         if self.dynamic_sampling is not None:  # drop groups without signal, refill the batch
             batch = self.dynamic_sampling.fill(batch)
+        if self.colocation is not None:  # and takes them back
+            self.colocation.before_train()
         if should_stop is not None and should_stop():
             self.rollouts.clear()  # batches drawn ahead are drawn again after a resume
             self.sampler.load_state_dict(batch.sampler_before)
@@ -228,10 +251,14 @@ class Trainer:
         metrics.update(self.train_on(batch.samples, should_stop))
         self.rollouts.finish(train=(train_start, time.perf_counter()))
         t = time.perf_counter()
+        if self.colocation is not None:  # the servers load into their own weights
+            self.colocation.before_sync()
         self.sync_weights(version=self.weight_version + 1)
         self.rollouts.resume()
         metrics["time/sync"] = time.perf_counter() - t
         metrics.update(self.sync_metrics)
+        if self.colocation is not None:
+            metrics.update(self.colocation.metrics())
         metrics.update(self.replay.metrics())
         self.replay.end_step()
         metrics["time/step"] = time.perf_counter() - start
@@ -269,6 +296,26 @@ class Trainer:
                 regenerate_stale=self.config.rollout.carry_over_groups == 0,
             )
         return SyncRollouts(hooks)
+
+    def _build_engine(self) -> RolloutEngine:
+        """The configured engine, once its servers answer (`train.engines.build_engine`)."""
+        config = self.config
+        engine = build_engine(
+            config.engine, self.hf_config, self.tokenizer.pad_token_id, config.parallel.seed
+        )
+        # SGLang listens only once its model is loaded: wait before the first sync
+        waited = engine.wait_until_ready()
+        if waited > 1.0:
+            logger.info("rollout servers ready after %.0f s", waited)
+        return engine
+
+    def _colocation(self) -> Colocation | None:
+        """``--colocate`` (`megatron_rl.train.colocate`): the trainer's offload on every rank;
+        the rank that pushes the weights also drives the servers' memory."""
+        if not self.config.engine.colocate:
+            return None
+        offload = TrainerOffload(self.model, self.optimizer, device=self.device)
+        return Colocation(offload, self.engine if self.pushes_weights else None)
 
     def _dynamic_sampling(self) -> DynamicSampling | None:
         """The refill of ``--dynamic-sampling`` (`megatron_rl.train.dynamic_sampling`), or None."""
@@ -603,11 +650,34 @@ class Trainer:
     def sync_weights(self, version: int) -> None:
         """Push the policy to the engine as weight ``version`` (every rank streams its shard)."""
         pushes = self.pushes_weights
-        # pipeline stages: the pushing rank (stage 0) receives the other stages' tensors
-        stream = iter_hf_tensors_every_stage(self.model.module, self.hf_config, wanted=pushes)
-        if pushes:
+        if self.handle_link is not None:  # colocated: every rank hands its own GPU's copy
+            stream = iter_hf_tensors_every_stage(
+                self.model.module, self.hf_config, wanted=True, experts_last=True
+            )
+            if pushes:
+                self.engine.update_weights(stream, version=version, peers=self.handle_link)
+            else:
+                serve_handles(self.handle_link, stream, version, serializer(), bucket_object)
+        elif self.stage_senders or self.stage_sender is not None:
+            # every stage sends its own tensors over its own group; rank 0 drives them
+            stream = iter_hf_tensors(self.model.module, self.hf_config, experts_last=True)
+            if pushes:
+                self.engine.update_weights(stream, version=version, stages=self.stage_senders)
+            elif self.stage_sender is not None:
+                self.stage_sender.serve(stream, version)
+            else:
+                for _ in stream:  # the gathers are collectives: take part, drop the tensors
+                    pass
+        elif pushes:
+            # pipeline stages: the pushing rank (stage 0) receives the other stages' tensors
+            stream = iter_hf_tensors_every_stage(
+                self.model.module, self.hf_config, wanted=True, experts_last=True
+            )
             self.engine.update_weights(stream, version=version)
         else:
+            stream = iter_hf_tensors_every_stage(
+                self.model.module, self.hf_config, wanted=False, experts_last=True
+            )
             for _ in stream:  # the gathers are collectives: take part, drop the tensors
                 pass
         self.weight_version = version
@@ -660,9 +730,27 @@ class Trainer:
     def close(self) -> None:
         self.rollouts.close()  # a generation still running (an error mid-step) ends first
         self.replay.close()
+        for stage in self.stage_senders:
+            stage.close()
+        if self.stage_sender is not None:
+            self.stage_sender.close()
         if self.engine is not None:
             self.engine.close()
         destroy_distributed()
+
+
+def _stage_senders(pipeline_group, engine) -> tuple[list, object]:
+    """(rank 0: the other stages' `RemoteStage`s, a stage's first rank: its `StageSender`);
+    ``([], None)`` on the other ranks. Collective over the world (a gloo group is made)."""
+    from megatron_rl.rollout.weight_sync.stages import RemoteStage, StageLink, StageSender
+
+    link = StageLink.of_pipeline(pipeline_group)
+    stage = link.stage_of(dist.get_rank())
+    if stage == 0:
+        return [RemoteStage(link, s) for s in range(1, len(link.ranks))], None
+    if stage is not None:
+        return [], StageSender(link, stage, engine.config.sync)
+    return [], None
 
 
 def _env_world_size() -> int:

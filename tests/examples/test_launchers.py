@@ -539,3 +539,228 @@ def test_asynchrony_knobs_reach_the_trainer(script, env):
     assert rollout.carry_over_groups == 16 and rollout.round_tokens == 2048
     assert rollout.mask_stale_tokens and config.objective.behavior_logprobs == "rollout"
     assert config.engine.sglang_pause_mode == "retract"
+
+
+# ----------------------------------------------------------------------------- colocated 30B
+SCRIPT_COLOCATED = EXAMPLES / "run_qwen3_30b_a3b_colocated.sh"
+SBATCH_COLOCATED = EXAMPLES / "slurm_qwen3_30b_a3b_colocated.sbatch"
+COLOCATED_HOSTS = "node0 node1 node2 node3"
+
+
+def _colocated(node_rank: int, **env) -> subprocess.CompletedProcess:
+    variables = {"NODE_HOSTS": COLOCATED_HOSTS, "NODE_RANK": str(node_rank), "DRY_RUN": "1"}
+    return subprocess.run(
+        ["bash", str(SCRIPT_COLOCATED)], cwd=ROOT, env=_base_env(**{**variables, **env}),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _server_argv(out: str) -> list[str]:
+    """The SGLang server command of a colocated node's DRY_RUN output (started in the
+    background: the line ends with ``&``)."""
+    (line,) = [line for line in out.splitlines() if "sglang.launch_server" in line]
+    assert line.endswith(" &")
+    return shlex.split(line[:-2])
+
+
+def test_colocated_every_node_trains_and_serves_on_its_own_gpus():
+    urls = tuple(f"http://node{i}:30000" for i in range(4))
+    for rank in range(4):
+        result = _colocated(rank)
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+        lines = out.splitlines()
+        server = next(i for i, line in enumerate(lines) if "sglang.launch_server" in line)
+        train = next(i for i, line in enumerate(lines) if line.startswith("torchrun "))
+        assert server < train  # the server sizes its KV pool before the trainer allocates
+        assert "# would wait up to 900 s for http://127.0.0.1:30000/health" in out
+        argv = _server_argv(out)
+        assert "--enable-memory-saver" in argv
+        for flag, value in (("--tp-size", "8"), ("--ep-size", "8"), ("--host", "0.0.0.0")):
+            assert argv[argv.index(flag) + 1] == value
+        assert argv[argv.index("--mem-fraction-static") + 1] == "0.45"
+        torchrun = _train_argv(out)
+        assert torchrun[torchrun.index("--nnodes") + 1] == "4"
+        assert torchrun[torchrun.index("--node-rank") + 1] == str(rank)
+        assert torchrun[torchrun.index("--master-addr") + 1] == "node0"
+        config = _trainer_config(torchrun)
+        engine = config.engine
+        assert engine.colocate and engine.weight_sync_transport == "tensor"
+        assert engine.sglang_engine_ranks == 8 and engine.sglang_url == urls
+        assert config.data_parallel_size(32) == 16  # 4 nodes x 8 GPUs, TP 2
+        assert ("# would wait up to 300 s" in out) == (rank == 0)
+
+
+@pytest.mark.parametrize("replay", ["off", "r3"])
+def test_colocated_server_command_is_the_server_launchers_plus_the_memory_saver(replay):
+    from megatron_rl.rollout.launch import SGLangServerConfig, server_command
+
+    argv = _server_argv(_colocated(2, REPLAY=replay, MEM_FRACTION="0.76").stdout)
+    config = SGLangServerConfig(
+        model_path="/shared/Qwen3-30B-A3B",
+        port=30000,
+        host="0.0.0.0",
+        tp_size=8,
+        ep_size=8,
+        mem_fraction_static=0.76,
+        return_routed_experts=replay == "r3",
+        extra_args=("--enable-memory-saver",),
+    )
+    assert argv[1:] == server_command(config)[1:]  # all but the interpreter's path
+    trainer = _trainer_config(_train_argv(_colocated(0, REPLAY=replay).stdout))
+    assert trainer.replay.mode == replay
+
+
+def test_colocated_sglang_flags_exist_in_the_installed_sglang():
+    """``--enable-memory-saver`` and ``--mem-fraction-static`` are SGLang's own flags (its
+    dataclass fields, whose names become the flags), in the lean server venv when present."""
+    fields = sorted(
+        ROOT.glob(".venv-sglang/lib/python*/site-packages/sglang/srt/arg_groups/fields")
+    )
+    if not fields:
+        pytest.skip("no .venv-sglang (make sglang-env)")
+    assert "\n    enable_memory_saver: A[" in (fields[0] / "exec_.py").read_text()
+    assert "\n    mem_fraction_static: A[" in (fields[0] / "schedule.py").read_text()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"ASYNC": "2"}, "ASYNC=2: colocated mode is synchronous"),
+        ({"RECIPE": "epic-paper"}, "RECIPE=epic-paper: colocated mode is synchronous"),
+        ({"PARTIAL": "1"}, "PARTIAL=1: colocated mode is synchronous"),
+        ({"NODE_HOSTS": "node0 node1"}, "NODE_HOSTS has 2 hosts (node0 node1); this job needs 4"),
+        ({"NODE_RANK": "4"}, "NODE_RANK=4: must be 0..3"),
+    ],
+)
+def test_colocated_refuses_what_it_cannot_run(env, message):
+    result = _colocated(0, **env)
+    assert result.returncode != 0 and message in result.stderr
+
+
+def test_colocated_memory_plan_gives_the_launchers_mem_fraction():
+    """The run script's numbers: the plan of the trainer's own layout on 32 GPUs."""
+    from megatron_rl.memory_plan import (
+        GIB,
+        Layout,
+        PlanOptions,
+        load_model_config,
+        plan_colocated,
+        plan_memory,
+    )
+    from megatron_rl.parallel import ParallelConfig
+
+    config = _trainer_config(_train_argv(_colocated(0).stdout))
+    p = config.parallel
+    parallel = ParallelConfig(
+        tensor_parallel=p.tensor_parallel,
+        expert_parallel=p.expert_parallel,
+        sequence_parallel=p.sequence_parallel,
+    )
+    tokens = config.task.max_prompt_length + config.rollout.max_response_length
+    options = PlanOptions(micro_batch_tokens=tokens)
+    hf = load_model_config("qwen3-30b-a3b")
+    by_gpu = {}
+    for gpu in (80, 141):
+        plan = plan_memory(hf, Layout.from_world_size(parallel, 32), options, gpu_gib=gpu)
+        by_gpu[gpu] = plan_colocated(plan)
+    h100, h200 = by_gpu[80], by_gpu[141]
+    assert h100.fits and h200.fits
+    assert (h100.mem_fraction_static, h200.mem_fraction_static) == (0.76, 0.86)
+    assert (h100.startup_fraction, h200.startup_fraction) == (0.45, 0.69)  # MEM_FRACTION
+    assert h100.kv_tokens == 2_345_803 and h200.kv_tokens == 4_987_341
+    assert h100.kv_bytes_per_token == 48 * 2 * 1 * 128 * 2
+    assert h100.warnings  # the trainer's start-up order, at the rollout-optimal fraction
+    assert 280 * GIB < h100.host_bytes_per_node < 285 * GIB  # of 2 TiB
+
+
+def test_colocated_slurm_entry_runs_every_node_as_trainer_and_server(tmp_path):
+    hosts = ["gpu01", "gpu02", "gpu03", "gpu04"]
+    result = _slurm_dry_run(tmp_path, hosts, SBATCH_COLOCATED)
+    assert result.returncode == 0, result.stderr
+    head, nodes = _per_node(result.stdout)
+    srun = shlex.split(head.strip())
+    assert "--nodes=4" in srun and "--kill-on-bad-exit=1" in srun
+    assert srun[-3:] == ["bash", str(SBATCH_COLOCATED), "--node"]
+    assert sorted(nodes) == [0, 1, 2, 3]
+    for rank, out in nodes.items():
+        assert "--enable-memory-saver" in _server_argv(out)
+        argv = _train_argv(out)
+        assert argv[argv.index("--node-rank") + 1] == str(rank)
+        assert argv[argv.index("--master-addr") + 1] == "gpu01"
+        urls = _trainer_config(argv).engine.sglang_url
+        assert urls == tuple(f"http://{host}:30000" for host in hosts)
+
+
+FAKE_SERVER = """
+echo "$$" > "${FAKE_DIR}/server.pid"
+exec python3 -m http.server "${FAKE_PORT}" --bind 127.0.0.1 --directory "${FAKE_DIR}/www"
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _colocated_node(tmp_path: Path, server: str, **env) -> subprocess.Popen:
+    """One colocated node for real, started: ``server`` is the fake SGLang interpreter's script;
+    the fake torchrun exits FAKE_EXIT (3) or waits for SIGTERM (``FAKE_EXIT=""``)."""
+    fake = _fake_bin(tmp_path, "torchrun", FAKE_TORCHRUN)
+    python = _fake_bin(tmp_path, "fake-sglang-python", server) / "fake-sglang-python"
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    (run_dir / ".nodes").mkdir(parents=True)
+    environment = _base_env(
+        NODE_HOSTS="h0", NUM_NODES="1", NODE_RANK="0", RUN_DIR=str(run_dir), LAUNCH_ID="L7",
+        SGLANG_PORT=str(port), FAKE_PORT=str(port), FAKE_DIR=str(tmp_path),
+        SGLANG_PYTHON=str(python), HEARTBEAT_INTERVAL="1", **{"FAKE_EXIT": "3", **env},
+    )  # fmt: skip
+    environment["PATH"] = f"{fake}:{environment['PATH']}"
+    return subprocess.Popen(
+        ["bash", str(SCRIPT_COLOCATED)], cwd=ROOT, env=environment, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+
+@pytest.mark.slow  # ~3 s: waits on real processes
+def test_colocated_node_starts_its_server_first_and_stops_it_when_training_fails(tmp_path):
+    """For real, with a fake server (answers /health) and a fake torchrun that exits 3: the
+    node exits 3 and its server's process group is gone."""
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "health").write_text("ok")
+    process = _colocated_node(tmp_path, FAKE_SERVER)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 3, err
+    assert (tmp_path / "torchrun.pid").exists()  # training started after /health answered
+    server_pid = int((tmp_path / "server.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)
+    assert (tmp_path / "run" / "sglang-node0.log").exists()
+
+
+def test_colocated_node_fails_without_training_when_its_server_dies_at_start(tmp_path):
+    process = _colocated_node(tmp_path, 'echo "no GPU" >&2; exit 1\n')
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert "node 0's SGLang server exited before answering /health; see " in err
+    assert not (tmp_path / "torchrun.pid").exists()
+    assert "no GPU" in (tmp_path / "run" / "sglang-node0.log").read_text()
+
+
+@pytest.mark.slow  # ~3 s: waits on real processes
+def test_sigterm_stops_the_colocated_nodes_training_then_its_server(tmp_path):
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "health").write_text("ok")
+    process = _colocated_node(tmp_path, FAKE_SERVER, FAKE_EXIT="")
+    _wait_for_torchrun(tmp_path, process)
+    server_pid = int((tmp_path / "server.pid").read_text())
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err
+    assert (tmp_path / "torchrun.term").read_text() == "term\n"  # torchrun got the signal
+    with pytest.raises(ProcessLookupError):
+        os.kill(server_pid, 0)

@@ -469,3 +469,34 @@ def test_partial_rollouts_and_carried_groups_through_the_real_cli_and_server(ser
     # weights; log-probs or routes shifted by one token would be off by nats and agree on about
     # top-k / experts = 2 / 8 of the choices
     assert gap < 0.15 and agreement > 0.6, (gap, agreement)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_each_pipeline_stage_sends_its_own_weights_to_the_real_server(server, tmp_path):
+    """The real CLI under torchrun with pipeline parallelism (2 gloo ranks, one layer each):
+    SGLang takes each stage's buckets over a weight group of that stage's own (two named groups
+    per server, each broadcast from its stage's first rank), inside the update session, and
+    generation uses the result: the train/rollout log-prob gap stays at the bf16 level of the
+    single-sender runs (a stage's tensors missing after a step would widen it)."""
+    run_dir = tmp_path / "run"
+    steps = 3
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", str(real.free_port()), "-m", "megatron_rl.train",
+        "--run-dir", str(run_dir), "--device", "cpu", "--no-progress",
+        "--rollout-engine", "sglang", "--sglang-url", server.url,
+        "--weight-sync-transport", "distributed", "--pipeline-model-parallel-size", "2",
+        "--train-iters", str(steps), "--torch-threads", "1", "--lr", "1e-3",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert len(rows) == steps
+    stage_mb = [rows[-1][f"weight_sync/stage_mb/{s}"] for s in (0, 1)]
+    gaps = [r["mismatch/train_rollout_logprob_abs_gap"] for r in rows]
+    _, info = real.request(server.url, "GET", "/model_info")
+    print(f"real SGLang, PP2 per-stage senders: stage MB {stage_mb}, log-prob gaps {gaps}")
+    assert all(mb > 0 for mb in stage_mb)
+    assert str(info["weight_version"]) == str(steps)
+    assert max(gaps) < 0.05, gaps

@@ -74,12 +74,15 @@ def test_a_server_down_at_startup_is_dropped_and_the_run_goes_on(servers, weight
         client.update_weights(iter(weights), version=0)  # the trainer's first sync
         assert client.weight_sync.urls == (up.url,)
         assert list(client.workers.dropped()) == [down.url]
-        assert client.membership_metrics() == {
-            "rollout/servers_up": 1.0,
-            "rollout/servers_out": 1.0,
-            "rollout/servers_dropped": 1.0,
-            "rollout/servers_rejoined": 0.0,
-        }
+        assert (
+            client.membership_metrics().items()
+            >= {
+                "rollout/servers_up": 1.0,
+                "rollout/servers_out": 1.0,
+                "rollout/servers_dropped": 1.0,
+                "rollout/servers_rejoined": 0.0,
+            }.items()
+        )
         client.update_weights(iter(weights), version=1)
         samples = client.generate(PROMPTS, PARAMS)
         assert {s.weight_version for s in samples} == {1} and up.engine.weight_version == 1
@@ -122,7 +125,7 @@ def test_a_server_dying_during_a_distributed_sync_is_dropped_in_bounded_time(ser
         report = client.last_sync
         assert a.engine.weight_version == 2 and report.checksums_compared == report.num_tensors
         assert report.servers_up == 1 and list(client.workers.dropped()) == [b.url]
-        assert client.weight_sync.transport.group is not None  # rebuilt from the survivor
+        assert client.weight_sync.transport.groups[0].local is not None  # rebuilt: the survivor
         client.update_weights(iter(weights), version=3)  # the rebuilt group keeps working
         assert {s.weight_version for s in client.generate(PROMPTS, PARAMS)} == {3}
     total = time.monotonic() - begin

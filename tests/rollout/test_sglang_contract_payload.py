@@ -90,8 +90,8 @@ def _sync(pool, monkeypatch, **config):
     sync = WeightSync(pool, WeightSyncConfig(bucket_bytes=64, **config))
     pool.version = "7"
     if config.get("transport") == "distributed":  # group creation is another test's concern
-        sync.transport.group, sync.transport.group_name = object(), "group"
-        sync.transport._group_urls = tuple(pool.members())
+        group = sync.transport.groups[0]  # stage 0's
+        group.local, group.name, group.urls = object(), "group", tuple(pool.members())
         monkeypatch.setattr(DistributedTransport, "_broadcast", lambda self, *args: None)
     tensors = [(f"w{i}", torch.full((4, 4), float(i))) for i in range(3)]
     sync.sync(iter(tensors), 7)

@@ -186,7 +186,7 @@ def test_a_restarted_trainer_syncs_again_and_close_tears_the_group_down(servers)
     stale = first.transport.group_name
     assert list(server.weight_groups) == [stale]
     # The trainer "crashes": its half of the group dies with it, the server keeps its half.
-    weight_group.destroy_weight_group(first.transport.group)
+    weight_group.destroy_weight_group(first.transport.groups[0].local)
     first.threads.shutdown(wait=False)
 
     second = _sync(server.url, engine, version=2)  # a fresh name: no clash with the stale group
@@ -194,7 +194,7 @@ def test_a_restarted_trainer_syncs_again_and_close_tears_the_group_down(servers)
     assert second_name != stale and set(server.weight_groups) == {stale, second_name}
     assert engine.weight_version == 2
     second.close()
-    assert second.transport.group is None and second.transport.group_name is None
+    assert second.transport.groups[0].local is None and second.transport.group_name is None
     assert set(server.weight_groups) == {stale}  # only the crashed run's group is left
     status, answer = server.handle("/destroy_weights_update_group", {"group_name": stale})
     assert status == 200 and answer["success"] is True
@@ -225,7 +225,7 @@ def test_a_failed_group_creation_destroys_both_halves(servers):
     sync = WeightSync(pool, WeightSyncConfig(transport="distributed", group_timeout_s=3.0))
     with pytest.raises(Exception, match=r"(?i)timed out|init_weights_update_group"):
         sync.transport._init_group()
-    assert sync.transport.group is None and sync.transport.group_name is None
+    assert sync.transport.groups[0].local is None and sync.transport.group_name is None
     assert not server.weight_groups
     assert "/destroy_weights_update_group" in server.requests
     server.before_request = None

@@ -215,3 +215,19 @@ def test_checksum_mismatch_is_detected(trainer, servers):
 def test_bad_sync_config_names_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WeightSyncConfig(**kwargs)
+
+
+def test_experts_last_sends_every_tensor_once_with_the_experts_after_the_rest(trainer):
+    """``experts_last`` (what weight sync streams): the same tensors as one pass, every
+    non-expert tensor before the first expert tensor, so no bucket mixes the two."""
+    from megatron_rl.model.conversion import iter_hf_tensors
+
+    model, config = trainer
+    one_pass = {name: t.clone() for name, t in iter_hf_tensors(model, config)}
+    names = []
+    for name, tensor in iter_hf_tensors(model, config, experts_last=True):
+        assert torch.equal(tensor, one_pass[name]), name
+        names.append(name)
+    assert sorted(names) == sorted(one_pass)
+    is_expert = [".mlp.experts." in n for n in names]
+    assert any(is_expert) and is_expert == sorted(is_expert)  # False..., then True...

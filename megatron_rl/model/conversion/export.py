@@ -40,12 +40,17 @@ logger = logging.getLogger(__name__)
 MEGATRON_FORMAT = "megatron_rl-canonical-v1"
 
 
-def _iter_full(model: torch.nn.Module, cfg: Qwen3MoeConfig) -> Iterator[tuple]:
-    """(TensorMap, full canonical tensor) for every tensor of this rank's pipeline stage."""
+def _iter_full(
+    model: torch.nn.Module, cfg: Qwen3MoeConfig, experts: bool | None = None
+) -> Iterator[tuple]:
+    """(TensorMap, full canonical tensor) for every tensor of this rank's pipeline stage (only
+    the experts' with ``experts=True``, only the others' with False)."""
     rank = model_rank_layout(model)
     params = model.state_dict(keep_vars=True)
     num_local_experts = cfg.num_experts // rank.ep_size
     for tmap in rank_tensor_maps(cfg, model_layout_name(model), rank):
+        if experts is not None and (tmap.local_expert is not None) != experts:
+            continue
         local = params[tmap.param].detach()
         _, group_size = shard_coords(tmap.group, rank)
         full = unshard(tmap, all_gather(local, tmap.group, group_size)) if group_size > 1 else local
@@ -58,18 +63,31 @@ def _iter_full(model: torch.nn.Module, cfg: Qwen3MoeConfig) -> Iterator[tuple]:
 
 
 def iter_hf_tensors(
-    model: torch.nn.Module, hf_config: Qwen3MoeConfig | str | os.PathLike
+    model: torch.nn.Module,
+    hf_config: Qwen3MoeConfig | str | os.PathLike,
+    *,
+    experts_last: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every tensor of this pipeline stage, on every rank."""
+    """(HF name, full tensor) for every tensor of this pipeline stage, on every rank.
+
+    ``experts_last``: two passes, the non-expert tensors (gathered over TP) first, then the
+    experts' (gathered over expert TP, then EP), so no bucket of a weight sync mixes the two.
+    """
     cfg = load_hf_config(hf_config)
-    for tmap, full in _iter_full(model, cfg):
-        yield from zip(tmap.hf, split(tmap, full, cfg), strict=True)
+    for part in (False, True) if experts_last else (None,):
+        for tmap, full in _iter_full(model, cfg, experts=part):
+            yield from zip(tmap.hf, split(tmap, full, cfg), strict=True)
 
 
 def iter_hf_tensors_every_stage(
-    model: torch.nn.Module, hf_config: Qwen3MoeConfig | str | os.PathLike, *, wanted: bool
+    model: torch.nn.Module,
+    hf_config: Qwen3MoeConfig | str | os.PathLike,
+    *,
+    wanted: bool,
+    experts_last: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of every pipeline stage, stage by stage.
+    """(HF name, full tensor) of every pipeline stage, stage by stage (``experts_last``: each
+    stage's as `iter_hf_tensors` with it).
 
     Collective over the pipeline group (every rank calls it, each with its own ``wanted``): a
     rank whose pipeline group has any ``wanted`` rank receives the other stages' tensors; in
@@ -77,7 +95,7 @@ def iter_hf_tensors_every_stage(
     Without pipeline parallelism this is `iter_hf_tensors`.
     """
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        yield from iter_hf_tensors(model, hf_config)
+        yield from iter_hf_tensors(model, hf_config, experts_last=experts_last)
         return
     group = parallel_state.get_pipeline_model_parallel_group()
     stage_ranks = dist.get_process_group_ranks(group)
@@ -85,7 +103,7 @@ def iter_hf_tensors_every_stage(
     share = any_rank(wanted, group)
     for stage, src in enumerate(stage_ranks):
         if stage == own_stage:
-            for name, tensor in iter_hf_tensors(model, hf_config):
+            for name, tensor in iter_hf_tensors(model, hf_config, experts_last=experts_last):
                 if share:
                     tensor = tensor.contiguous()
                     broadcast_object((name, tuple(tensor.shape), tensor.dtype), src, group)

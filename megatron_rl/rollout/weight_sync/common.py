@@ -88,6 +88,7 @@ class SyncReport:
     servers_out: int = 0  # servers out of the pool (dropped, not yet rejoined) after the sync
     servers_dropped: int = 0  # servers dropped by syncs so far
     servers_rejoined: int = 0  # dropped servers admitted again after a full sync so far
+    stage_bytes: list[int] = dataclasses.field(default_factory=list)  # per pipeline stage
 
     @property
     def mb_per_s(self) -> float:

@@ -1,14 +1,17 @@
 """The ``distributed`` transport: rank 0 broadcasts each flat bucket over a weight-update group
 that the servers join (``/init_weights_update_group``; NCCL on GPU, gloo on CPU), while each
-server loads it (``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``)."""
+server loads it (``/update_weights_from_distributed`` with ``load_format="flattened_bucket"``).
+
+Under pipeline parallelism every stage has a group of its own, whose rank 0 is the stage's first
+trainer rank (`stages`): rank 0 sends stage 0 here and drives the other stages' senders."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-import socket
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import wait
 from typing import TYPE_CHECKING
 
@@ -27,6 +30,7 @@ from megatron_rl.rollout.weight_sync.common import (
     WeightSyncError,
     call_failure,
 )
+from megatron_rl.rollout.weight_sync.stages import RemoteStage, free_port
 from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda
 
 if TYPE_CHECKING:
@@ -37,24 +41,63 @@ logger = logging.getLogger(__name__)
 FIRST_BUCKET_BYTES = 8 * 1024**2  # a small first bucket starts the pipeline
 
 
+class _Group:
+    """One stage's weight-update group as rank 0 sees it: its unique name, its servers in rank
+    order, and who broadcasts over it (``sender``: None for stage 0, whose group is ``local``
+    here; else the stage's `RemoteStage`)."""
+
+    def __init__(self, stage: int, sender: RemoteStage | None = None):
+        self.stage, self.sender = stage, sender
+        self.name: str | None = None
+        self.urls: tuple[str, ...] = ()
+        self.local = None  # stage 0: this side's torch ProcessGroup
+
+
 class DistributedTransport:
-    """The weight-update group (rebuilt without a member that fails) and the buckets sent over
-    it, for the servers of ``sync`` (a `WeightSync`)."""
+    """The weight-update groups (one per pipeline stage; rebuilt without a member that fails)
+    and the buckets sent over them, for the servers of ``sync`` (a `WeightSync`)."""
 
     def __init__(self, sync: WeightSync):
         self.sync = sync
         self.staging = Staging(sync.config, num_buffers=2)
-        self.group = None
-        self.group_name: str | None = None  # the live group's unique name
-        self._group_urls: tuple[str, ...] = ()  # the servers in the live group, in rank order
+        self.groups: dict[int, _Group] = {0: _Group(0)}
         self._run_id = uuid.uuid4().hex[:12]
 
     @property
     def config(self) -> WeightSyncConfig:
         return self.sync.config
 
-    def push(self, stream, report: SyncReport, version: int) -> None:
-        """Per bucket: announce it to every live server and broadcast it over the group.
+    @property
+    def group_name(self) -> str | None:
+        """Stage 0's live group's unique name."""
+        return self.groups[0].name
+
+    def push(
+        self,
+        stream,
+        report: SyncReport,
+        version: int,
+        *,
+        stages: Sequence[RemoteStage] = (),
+        sums: dict | None = None,
+    ) -> None:
+        """Stage 0's ``stream`` from here, then each remote stage's from its own sender.
+
+        ``stages``: the other pipeline stages' senders (`stages.RemoteStage`), in stage order
+        (`WeightSync.sync` tells each ``end``, whatever happens). ``sums``: per-tensor
+        checksums of the remote stages go there (``WeightSyncConfig.checksum``).
+        ``report.stage_bytes`` gets the bytes each stage sent.
+        """
+        for stage in stages:
+            group = self.groups.setdefault(stage.stage, _Group(stage.stage, stage))
+            group.sender = stage
+        report.stage_bytes = [0] * (1 + len(stages))
+        self._push_local(stream, report, version)
+        for i, stage in enumerate(stages, start=1):
+            self._push_remote(self.groups[stage.stage], report, i, sums)
+
+    def _push_local(self, stream, report: SyncReport, version: int) -> None:
+        """Per bucket: announce it to every live server and broadcast it over stage 0's group.
 
         When a member fails (its call fails or the broadcast breaks), the group is destroyed at
         once (which also frees the members stuck in the broadcast), the failed members leave
@@ -65,7 +108,7 @@ class DistributedTransport:
         and being loaded (two staging buffers of at most ``bucket_bytes``); the first bucket
         is at most `FIRST_BUCKET_BYTES`, since its packing overlaps nothing.
         """
-        cfg, sync = self.config, self.sync
+        cfg, group = self.config, self.groups[0]
         device = current_cuda() if cfg.backend == "nccl" else torch.device("cpu")
         first = min(cfg.bucket_bytes, FIRST_BUCKET_BYTES)
         buckets = iter(flat_buckets(stream, cfg.bucket_bytes, first_bucket_bytes=first))
@@ -79,7 +122,9 @@ class DistributedTransport:
         try:
             staged, index = stage_next(0), 0
             while staged is not None:
+                flat, slots = staged
                 report.num_buckets += 1
+                report.stage_bytes[0] += sum(s.end - s.start for s in slots)
                 ahead: dict = {}
 
                 def prefetch(index=index, ahead=ahead):
@@ -88,15 +133,8 @@ class DistributedTransport:
                     except BaseException as err:  # raised once this bucket is through
                         ahead["error"] = err
 
-                for _ in range(len(sync.pool.config.urls) + 1):
-                    sync.require()
-                    if self.group is None or self._group_urls != sync.urls:
-                        self._destroy_group()
-                        self._init_group()
-                    if self._send_bucket(*staged, meanwhile=None if ahead else prefetch):
-                        break
-                else:  # pragma: no cover - every retry drops at least one server
-                    raise WeightSyncError("a bucket failed on every rebuilt weight group")
+                header = _header(slots)
+                self._send_until_delivered(group, header, flat, None if ahead else prefetch)
                 if not ahead:
                     prefetch()
                 if "error" in ahead:
@@ -105,20 +143,50 @@ class DistributedTransport:
         except BaseException:
             # Ranks may be mid-broadcast: the group cannot be trusted any more. The next sync
             # builds a fresh one under a new name.
-            self._destroy_group()
+            self._destroy_group(group)
             raise
 
-    def _send_bucket(self, flat: torch.Tensor, slots, *, meanwhile=None) -> bool:
+    def _push_remote(self, group: _Group, report: SyncReport, index: int, sums) -> None:
+        """Stage ``group.stage``'s buckets, packed and broadcast by its own sender, announced
+        to the servers from here; failures as in `_push_local`."""
+        try:
+            while (header := group.sender.next_bucket()) is not None:
+                report.num_buckets += 1
+                report.num_tensors += len(header["names"])
+                report.num_bytes += header["bytes"]
+                report.stage_bytes[index] += header["bytes"]
+                if sums is not None:
+                    sums.update(header["sums"])
+                self._send_until_delivered(group, header, None)
+        except BaseException:
+            self._destroy_group(group)
+            raise
+
+    def _send_until_delivered(self, group: _Group, header: dict, flat, meanwhile=None) -> None:
+        """One bucket over ``group``, rebuilt without the members that fail, until every live
+        server has it (WeightSyncError when too few are left)."""
+        sync = self.sync
+        for _ in range(len(sync.pool.config.urls) + 1):
+            sync.require()
+            if group.name is None or group.urls != sync.urls:
+                self._destroy_group(group)
+                self._init_group(group)
+            if self._send_bucket(group, header, flat, meanwhile=meanwhile):
+                return
+            meanwhile = None  # ran during the failed attempt
+        raise WeightSyncError("a bucket failed on every rebuilt weight group")  # pragma: no cover
+
+    def _send_bucket(self, group: _Group, header: dict, flat, *, meanwhile=None) -> bool:
         """One bucket over the current group; False (group destroyed, failures out) on error.
 
         ``meanwhile()`` runs here once the broadcast is under way (it must not raise)."""
         sync = self.sync
-        urls = list(self._group_urls)
+        urls = list(group.urls)
         payload = {
-            "names": [s.name for s in slots],
-            "dtypes": [dtype_name(s.dtype) for s in slots],
-            "shapes": [list(s.shape) for s in slots],
-            "group_name": self.group_name,
+            "names": header["names"],
+            "dtypes": header["dtypes"],
+            "shapes": header["shapes"],
+            "group_name": group.name,
             "flush_cache": False,
             "load_format": FLATTENED,
         }
@@ -126,7 +194,7 @@ class DistributedTransport:
         futures = [sync.threads.submit(sync.pool.call_on, u, "POST", path, payload) for u in urls]
         broken = None
         try:
-            self._broadcast(flat, urls, futures, meanwhile)
+            self._broadcast(group, flat, urls, futures, meanwhile)
         except Exception as err:  # a member left mid-broadcast (gloo: "closed by peer")
             broken = err
         if broken is None:
@@ -138,11 +206,11 @@ class DistributedTransport:
                 return True
             for url, why in failed.items():
                 sync.fail(url, f"update_weights_from_distributed: {why}")
-            self._destroy_group()
+            self._destroy_group(group)
             return False
         logger.warning("weight-group broadcast failed (%s); rebuilding the group", broken)
         early = {u: call_failure(f) for u, f in zip(urls, futures, strict=True) if f.done()}
-        self._destroy_group()  # frees the members still waiting in the broadcast
+        self._destroy_group(group)  # frees the members still waiting in the broadcast
         wait(futures, timeout=self.config.failure_timeout_s)
         # generation is paused: SGLang's /health would wait on the pause (503 after 20 s)
         healthy = set(sync.pool.alive_all(urls))
@@ -157,33 +225,49 @@ class DistributedTransport:
             ) from broken
         return False
 
-    def _broadcast(self, tensor: torch.Tensor, urls, futures, meanwhile=None) -> None:
-        """`broadcast_tensor`, but given up as soon as a member's call has failed (that member
-        will never receive, and the broadcast would wait for it until the group timeout)."""
-        options = torch.distributed.BroadcastOptions()
-        options.rootRank = 0
-        work = self.group.broadcast([tensor], options)
+    def _broadcast(self, group: _Group, flat, urls, futures, meanwhile=None) -> None:
+        """The bucket's broadcast from the group's rank 0 (here, or the stage's sender), given
+        up as soon as a member's call has failed (that member will never receive, and the
+        broadcast would wait for it until the group timeout)."""
+        if group.sender is None:
+            options = torch.distributed.BroadcastOptions()
+            options.rootRank = 0
+            work = group.local.broadcast([flat], options)
+            done = work.is_completed
+        else:
+            answer = group.sender.start_broadcast()
+            done = answer.done
         if meanwhile is not None:
             meanwhile()
-        while not work.is_completed():
+        while not done():
             for url, future in zip(urls, futures, strict=True):
                 if future.done() and (why := call_failure(future)) is not None:
                     raise RuntimeError(f"{url} failed during the broadcast: {why}")
             time.sleep(0.002)
-        work.wait()
+        if group.sender is None:
+            work.wait()
+        elif (why := answer.result()) is not None:
+            group.sender._pending = None
+            raise RuntimeError(f"stage {group.stage}'s broadcast failed: {why}")
+        else:
+            group.sender._pending = None
 
-    def _init_group(self) -> None:
-        """Create a group under a fresh name over the live servers: they join as ranks ``1..``,
-        this side is 0. On any failure both sides' halves are destroyed before the error
-        propagates."""
+    def _init_group(self, group: _Group) -> None:
+        """Create ``group`` under a fresh name over the live servers: they join as ranks
+        ``1..``, the stage's sender is 0. On any failure both sides' halves are destroyed
+        before the error propagates."""
         cfg, sync = self.config, self.sync
         urls = sync.urls
-        port = cfg.master_port or _free_port(cfg.master_address)
+        if group.sender is None:
+            address, port = cfg.master_address, cfg.master_port or free_port(cfg.master_address)
+        else:
+            address, port = group.sender.endpoint()
         world = 1 + cfg.engine_ranks * len(urls)
-        name = unique_group_name(cfg.group_name, self._run_id)
+        prefix = cfg.group_name if group.stage == 0 else f"{cfg.group_name}-stage{group.stage}"
+        name = unique_group_name(prefix, self._run_id)
         payloads = [
             {
-                "master_address": cfg.master_address,
+                "master_address": address,
                 "master_port": port,
                 "rank_offset": 1 + i * cfg.engine_ranks,
                 "world_size": world,
@@ -192,22 +276,25 @@ class DistributedTransport:
             }
             for i in range(len(urls))
         ]
-        self.group_name, self._group_urls = name, urls
+        group.name, group.urls = name, urls
         path = "/init_weights_update_group"
         futures = [
             sync.threads.submit(sync.pool.call_on, u, "POST", path, p)
             for u, p in zip(urls, payloads, strict=True)
         ]
         try:
-            self.group = init_weight_group(
-                backend=cfg.backend,
-                master_address=cfg.master_address,
-                master_port=port,
-                rank=0,
-                world_size=world,
-                group_name=name,
-                timeout_s=cfg.group_timeout_s,
-            )
+            if group.sender is None:
+                group.local = init_weight_group(
+                    backend=cfg.backend,
+                    master_address=address,
+                    master_port=port,
+                    rank=0,
+                    world_size=world,
+                    group_name=name,
+                    timeout_s=cfg.group_timeout_s,
+                )
+            else:
+                group.sender.join(name, address, port, world)
             wait(futures)
             for url, future in zip(urls, futures, strict=True):
                 why = call_failure(future)
@@ -216,16 +303,24 @@ class DistributedTransport:
         except BaseException:
             # Let the servers finish joining (briefly) so the destroy finds their halves.
             concurrent.futures.wait(futures, timeout=min(30.0, cfg.group_timeout_s))
-            self._destroy_group()
+            self._destroy_group(group)
             raise
-        logger.info("weight-update group %r: %d ranks over %s", name, world, cfg.backend)
+        logger.info(
+            "weight-update group %r (stage %d): %d ranks over %s from %s:%d",
+            name,
+            group.stage,
+            world,
+            cfg.backend,
+            address,
+            port,
+        )
 
-    def _destroy_group(self) -> None:
-        """Destroy the current group on its servers and here, waiting at most
-        ``failure_timeout_s`` for them; failures are only logged."""
+    def _destroy_group(self, group: _Group) -> None:
+        """Destroy ``group`` on its servers, then its sender's half, waiting at most
+        ``failure_timeout_s`` for the servers; failures are only logged."""
         sync = self.sync
-        name, group, urls = self.group_name, self.group, self._group_urls
-        self.group, self.group_name, self._group_urls = None, None, ()
+        name, urls, local = group.name, group.urls, group.local
+        group.name, group.urls, group.local = None, (), None
         if name is None:
             return
         timeout = self.config.failure_timeout_s
@@ -236,20 +331,48 @@ class DistributedTransport:
             )
             for u in urls
         ]
-        # the servers' halves first: that ends a broadcast still pending here
+        # the servers' halves first: that ends a broadcast still pending at the sender
         wait(futures, timeout=timeout + sync.pool.config.connect_timeout_s)
-        destroy_weight_group(group)
+        if group.sender is None:
+            destroy_weight_group(local)
+        else:
+            group.sender.destroy(timeout_s=self.config.group_timeout_s)
         for url, future in zip(urls, futures, strict=True):
             why = call_failure(future) if future.done() else f"no answer within {timeout} s"
             if why is not None:
                 logger.warning("destroy_weights_update_group %r on %s: %s", name, url, why)
 
     def close(self) -> None:
+        """Destroy every stage's group. A remote stage's sender is reached only inside a sync
+        (it answers rank 0 only then): its half goes with its process."""
         self.staging.clear()
-        self._destroy_group()
+        for group in self.groups.values():
+            if group.sender is None:
+                self._destroy_group(group)
+            elif group.name is not None:
+                self._destroy_servers_half(group)
+
+    def _destroy_servers_half(self, group: _Group) -> None:
+        sync, timeout = self.sync, self.config.failure_timeout_s
+        futures = [
+            sync.threads.submit(
+                sync.pool.call_on,
+                u,
+                "POST",
+                "/destroy_weights_update_group",
+                {"group_name": group.name},
+                timeout_s=timeout,
+            )
+            for u in group.urls
+        ]
+        wait(futures, timeout=timeout + sync.pool.config.connect_timeout_s)
+        group.name, group.urls = None, ()
 
 
-def _free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
+def _header(slots) -> dict:
+    """A bucket's announcement: its tensors' names, SGLang dtype names and shapes."""
+    return {
+        "names": [s.name for s in slots],
+        "dtypes": [dtype_name(s.dtype) for s in slots],
+        "shapes": [list(s.shape) for s in slots],
+    }

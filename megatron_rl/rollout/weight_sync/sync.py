@@ -9,7 +9,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -25,7 +25,9 @@ from megatron_rl.rollout.weight_sync.common import (
 )
 from megatron_rl.rollout.weight_sync.disk import DiskTransport
 from megatron_rl.rollout.weight_sync.distributed import DistributedTransport
+from megatron_rl.rollout.weight_sync.rank_handles import STOP, HandleLink
 from megatron_rl.rollout.weight_sync.reprobe import ReprobeConfig, Reprober
+from megatron_rl.rollout.weight_sync.stages import RemoteStage
 from megatron_rl.rollout.weight_sync.tensor import TensorTransport
 
 logger = logging.getLogger(__name__)
@@ -160,7 +162,41 @@ class WeightSync:
         if not failing:
             self.require()
 
-    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
+    def sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        stages: Sequence[RemoteStage] = (),
+        peers: HandleLink | None = None,
+    ) -> SyncReport:
+        """Push ``named_tensors`` as weight ``version`` (see the package docstring).
+
+        ``stages``: with pipeline parallelism and the ``distributed`` transport, the senders of
+        stages 1.. (`stages.RemoteStage`); ``named_tensors`` is then stage 0's only, and each
+        other stage broadcasts its own over a group of its own. ``peers``: colocated, the
+        ``tensor`` transport sends each server the handles of the trainer ranks on its GPUs
+        (`rank_handles`). Either way the other ranks are told the sync is over, whatever
+        happened.
+        """
+        try:
+            if stages and self.config.transport != "distributed":
+                raise ValueError(
+                    f"per-stage senders need the 'distributed' transport, not "
+                    f"{self.config.transport!r}: send every stage's tensors from rank 0"
+                )
+            if peers is not None and self.config.transport != "tensor":
+                raise ValueError(
+                    f"per-rank handles need the 'tensor' transport, not {self.config.transport!r}"
+                )
+            return self._sync(named_tensors, version, stages, peers)
+        finally:
+            for stage in stages:
+                stage.end()
+            if peers is not None:
+                peers.say(STOP)
+
+    def _sync(self, named_tensors, version: int, stages, peers) -> SyncReport:
         report = SyncReport(version=version)
         start = time.perf_counter()
         sums: dict[str, float] = {}
@@ -187,7 +223,13 @@ class WeightSync:
             self._each(lambda u: self._flush(u, modes[u]), "flush_cache")
             opened = self._begin_sessions()
             try:
-                self.transport.push(stream, report, version)
+                if stages:
+                    remote_sums = sums if self.config.checksum else None
+                    self.transport.push(stream, report, version, stages=stages, sums=remote_sums)
+                elif peers is not None:
+                    self.transport.push(stream, report, version, peers=peers)
+                else:
+                    self.transport.push(stream, report, version)
             finally:
                 self._end_sessions(opened)
             # SGLang's default (abort_all_requests=True) would end the paused requests

@@ -14,6 +14,7 @@ import torch
 from megatron_rl.rollout import flat_bucket
 from megatron_rl.rollout.flat_bucket import FLATTENED, flat_buckets
 from megatron_rl.rollout.weight_sync.common import SyncReport, WeightSyncConfig, WeightSyncError
+from megatron_rl.rollout.weight_sync.rank_handles import BUCKET, HandleLink
 from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda, file_system_sharing
 
 if TYPE_CHECKING:
@@ -32,7 +33,9 @@ class TensorTransport:
     def config(self) -> WeightSyncConfig:
         return self.sync.config
 
-    def push(self, stream, report: SyncReport, version: int) -> None:
+    def push(
+        self, stream, report: SyncReport, version: int, *, peers: HandleLink | None = None
+    ) -> None:
         """``/update_weights_from_tensor`` per bucket with ``load_format="flattened_bucket"``.
 
         The payload is SGLang's own ``MultiprocessingSerializer.serialize(obj, output_str=True)``
@@ -47,24 +50,36 @@ class TensorTransport:
         because each carries its own producer-side reference count. A GPU bucket is a fresh
         buffer (as SGLang's producer makes it); the buffer stays referenced until every server's
         call has returned. On CPU the one shared buffer is reused: servers copy on load.
+
+        ``peers`` (``--colocate``, `rank_handles`): every trainer rank stages the bucket too,
+        and server i's entry r is the handle of trainer rank ``i * engine_ranks + r``, the one
+        on that TP rank's GPU.
         """
         cfg, sync = self.config, self.sync
         on_gpu = torch.cuda.is_available()
         device = current_cuda() if on_gpu else torch.device("cpu")
-        serialize = _sglang_serialize() if on_gpu else _serialize_shared
-        for bucket in flat_buckets(stream, cfg.bucket_bytes):
+        serialize = serializer()
+        urls = sync.pool.config.urls
+        buckets = iter(flat_buckets(stream, cfg.bucket_bytes))
+        while True:
+            if peers is not None:  # before the pull: the stream's collectives run on every rank
+                peers.say(BUCKET)
+            bucket = next(buckets, None)
+            if bucket is None:
+                break
             report.num_buckets += 1
             if on_gpu:
                 self.staging.buffers[0] = None  # one buffer per bucket under CUDA IPC
             flat, slots = self.staging.stage(bucket, device, version, shared=True)
-            obj = {"flattened_tensor": flat, "metadata": [_metadata(s) for s in slots]}
+            obj = bucket_object(flat, slots)
+            if peers is not None:
+                handles = peers.gather(serialize(obj))
+                entries = [peers.entries(handles, urls.index(u)) for u in sync.urls]
+            else:
+                entries = [[serialize(obj) for _ in range(cfg.engine_ranks)] for _ in sync.urls]
             payloads = [
-                {
-                    "serialized_named_tensors": [serialize(obj) for _ in range(cfg.engine_ranks)],
-                    "load_format": FLATTENED,
-                    "flush_cache": False,
-                }
-                for _ in sync.urls
+                {"serialized_named_tensors": e, "load_format": FLATTENED, "flush_cache": False}
+                for e in entries
             ]
             # waits for every server to finish reading before the buffer may be reused
             try:
@@ -90,6 +105,16 @@ class TensorTransport:
 
     def close(self) -> None:
         self.staging.clear()
+
+
+def bucket_object(flat: torch.Tensor, slots) -> dict:
+    """What ``_update_weights_from_flattened_bucket`` reads: the flat buffer and its metadata."""
+    return {"flattened_tensor": flat, "metadata": [_metadata(s) for s in slots]}
+
+
+def serializer():
+    """SGLang's serialiser on GPU (CUDA IPC handles), the shared-file one on CPU."""
+    return _sglang_serialize() if torch.cuda.is_available() else _serialize_shared
 
 
 def _metadata(slot: flat_bucket.Slot) -> types.SimpleNamespace:

@@ -1,0 +1,93 @@
+"""``--colocate``: trainer ranks and SGLang servers on the same GPUs, one phase resident at a time.
+
+The order of slime's colocated loop (servers: SGLang's memory tags, see
+`megatron_rl.rollout.memory_occupation`; trainer: `TrainerOffload`), per RL step::
+
+    before_rollout   trainer offload -> barrier -> servers resume [kv_cache, cuda_graph] -> barrier
+    (rollout)        servers generate; the trainer holds no device memory
+    before_train     barrier -> servers release all -> barrier -> trainer onload
+    (train)          old log-probs and the N updates
+    before_sync      servers resume [weights]
+    (weight sync)    tensor transport, inside a weight-update session (`WeightSync`)
+
+Between steps (checkpoint save, logging) the trainer is resident and the servers hold only
+their weights; `release_generation_memory` (before the trainer builds its model) releases the
+servers' KV cache and CUDA graphs to reach that state. Only the rank that drives the servers
+(``engine`` given: global rank 0) calls them; every rank offloads and onloads its own shard,
+and the barriers keep a rank from onloading before the servers released, or the servers from
+resuming before every rank offloaded.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from megatron_rl.rollout.memory_occupation import CUDA_GRAPH, KV_CACHE, WEIGHTS
+from megatron_rl.train.offload import TrainerOffload
+
+GENERATION_TAGS = (KV_CACHE, CUDA_GRAPH)  # resumed for a rollout, after the weights are in
+
+
+class Colocation:
+    """The memory hand-over of one trainer rank; ``engine``: the SGLang client on the rank that
+    drives the servers (``release_memory`` / ``resume_memory``), None on the others."""
+
+    def __init__(self, offload: TrainerOffload, engine=None, *, group=None) -> None:
+        self.offload = offload
+        self.engine = engine
+        self.group = group  # the barrier's process group (None: every rank)
+        self._metrics: dict[str, float] = {}
+
+    def before_rollout(self) -> None:
+        """Trainer offload, then the servers' KV cache and CUDA graphs back."""
+        t = time.perf_counter()
+        freed = self.offload.offload()
+        self._metrics["colocate/offload_s"] = time.perf_counter() - t
+        self._metrics["colocate/offloaded_bytes"] = float(freed)
+        self._barrier()
+        if self.engine is not None:
+            self.engine.resume_memory(list(GENERATION_TAGS))
+        self._barrier()  # every rank generates its own share: none before the resume
+
+    def before_train(self) -> None:
+        """Once every rank's rollout is over (each rank generates its own share on the
+        servers, and SGLang releases only an idle server), the servers release everything,
+        then the trainer onloads. The trainer's bytes still on the device (they were, the whole
+        rollout) are recorded first."""
+        resident = self.offload.resident_bytes()
+        self._metrics["colocate/trainer_resident_bytes_during_rollout"] = float(resident)
+        self._barrier()
+        if self.engine is not None:
+            self.engine.release_memory(None)  # no tags: kv_cache, weights and cuda_graph
+        self._barrier()
+        t = time.perf_counter()
+        self.offload.onload()
+        self._metrics["colocate/onload_s"] = time.perf_counter() - t
+
+    def before_sync(self) -> None:
+        """The servers take their weights back (SGLang loads into them)."""
+        if self.engine is not None:
+            self.engine.resume_memory([WEIGHTS])
+
+    def metrics(self) -> dict[str, float]:
+        """``colocate/offload_s``, ``colocate/onload_s``, ``colocate/offloaded_bytes`` and
+        ``colocate/trainer_resident_bytes_during_rollout`` of the latest step."""
+        return dict(self._metrics)
+
+    def _barrier(self) -> None:
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.barrier(group=self.group)
+
+
+def release_generation_memory(engine=None, group=None) -> None:
+    """Before the trainer builds its model: the servers (started with everything resident)
+    release what generation alone needs, their KV cache and CUDA graphs, so the trainer's
+    model and optimizer never share the GPUs with them (slime releases its engines before it
+    builds its actors). ``engine``: the SGLang client on the rank that drives the servers, None
+    on the others; collective over ``group``."""
+    if engine is not None:
+        engine.release_memory(list(GENERATION_TAGS))
+    if dist.is_initialized():
+        dist.barrier(group=group)

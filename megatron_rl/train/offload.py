@@ -1,0 +1,165 @@
+"""The trainer's device memory, given up around a rollout and taken back before the update.
+
+`TrainerOffload.offload()` copies every storage behind the policy's parameters, module buffers,
+megatron DDP's contiguous ``param_data`` / ``grad_data`` buffers (``main_grad`` views included)
+and the optimizer's tensors (its fp32 main parameters and their ``.grad``, Adam's ``exp_avg`` and
+``exp_avg_sq``) to host memory (pinned on GPU), then frees the device storage with
+``untyped_storage().resize_(0)``; `onload()` resizes each storage back and copies its bytes in.
+Every tensor keeps its identity and its views (a parameter that views ``param_data``, an
+optimizer's ``main_grad`` view), so nothing has to be re-pointed, and any use of an offloaded
+tensor fails loudly ("setStorage: ... requiring a storage size ..."). Views are handled by
+working on the underlying storages, each once.
+
+On a CPU run the "device" is the CPU: the host copy is a second CPU tensor and the freed
+storage really is freed, so the accounting of `resident_bytes` and the failure on use are the
+same as on GPU.
+
+Why not megatron-core's own (0.16.1) offload: ``_ParamAndGradBuffer.offload_to_cpu`` /
+``reload_from_cpu`` (``distributed/param_and_grad_buffer.py``; ``DistributedDataParallel.
+offload_grad_buffers`` / ``restore_grad_buffers``) use the same ``storage().resize_(0)`` trick
+but keep the params' host copy as ``param_data.cpu().pin_memory()``, which on a CPU tensor is the
+tensor itself (freed with it) or fails without CUDA, and they zero the gradients on reload;
+``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu`` (``optimizer/optimizer.py``) move
+only CUDA tensors and re-bind ``p.data`` / state entries to new tensors, which detaches optimizer
+parameters that view the DDP buffers (the non-distributed fp32 optimizer's). This module does
+what they do, for every storage at once, on both devices.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerOffload:
+    """``offload()`` / ``onload()`` of a megatron DDP model and its optimizer; see the module
+    docstring. ``optimizer``: a `PolicyOptimizer`, a megatron optimizer (chained or not) or a
+    torch optimizer. ``device``: where the trainer computes (default: the parameters')."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, *, device=None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        first = next(model.parameters())
+        self.device = torch.device(device) if device is not None else first.device
+        self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (storage, host copy)
+        # host copies kept across steps: pinning tens of GB anew for every rollout costs
+        # seconds; a storage's copy is reused while its size is unchanged
+        self._host: dict[int, torch.Tensor] = {}
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._held)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the tracked tensors' storages (each counted once) held on ``self.device``."""
+        return sum(s.nbytes() for s in self._storages() if s.device == self.device)
+
+    def offload(self) -> int:
+        """Copy every tracked storage to host memory and free it on the device; the bytes freed.
+
+        RuntimeError if already offloaded (an onload was missed)."""
+        if self._held:
+            raise RuntimeError("TrainerOffload.offload() twice: the trainer is already offloaded")
+        pin = self.device.type == "cuda"
+        if pin:
+            torch.cuda.synchronize(self.device)  # kernels still reading the buffers finish
+        freed = 0
+        for storage in self._storages():
+            if storage.device != self.device or storage.nbytes() == 0:
+                continue
+            nbytes = storage.nbytes()
+            host = self._host.get(storage._cdata)
+            if host is None or host.numel() != nbytes:
+                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+                self._host[storage._cdata] = host
+            host.copy_(_bytes_of(storage))
+            storage.resize_(0)
+            self._held.append((storage, host))
+            freed += nbytes
+        if pin:
+            torch.cuda.empty_cache()  # the freed blocks go back to the driver, for the servers
+        logger.debug("trainer offloaded: %d bytes from %d storages", freed, len(self._held))
+        return freed
+
+    def onload(self) -> int:
+        """Re-allocate every offloaded storage on the device and copy its bytes back; the bytes
+        restored. RuntimeError if nothing is offloaded."""
+        if not self._held:
+            raise RuntimeError("TrainerOffload.onload() without offload()")
+        restored = 0
+        for storage, host in self._held:
+            storage.resize_(host.numel())
+            _bytes_of(storage).copy_(host)
+            restored += host.numel()
+        self._held = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return restored
+
+    # ------------------------------------------------------------------ tracked tensors
+    def _storages(self) -> list[torch.UntypedStorage]:
+        """The distinct storages behind every tracked tensor (views share one)."""
+        seen: dict[int, torch.UntypedStorage] = {}
+        for tensor in self._tensors():
+            storage = tensor.untyped_storage()
+            seen.setdefault(storage._cdata, storage)  # the StorageImpl: one per allocation
+        for storage, _ in self._held:  # offloaded ones (nbytes 0) stay tracked
+            seen.setdefault(storage._cdata, storage)
+        return list(seen.values())
+
+    def _tensors(self) -> Iterator[torch.Tensor]:
+        model = self.model
+        module = getattr(model, "module", model)  # DDP's ``buffers`` list shadows the method
+        yield from module.parameters()
+        yield from module.buffers()
+        for param in module.parameters():
+            for name in ("main_grad", "grad"):
+                extra = getattr(param, name, None)
+                if isinstance(extra, torch.Tensor):
+                    yield extra
+        for buffer in _ddp_buffers(model):
+            for name in ("param_data", "grad_data"):
+                data = getattr(buffer, name, None)
+                if isinstance(data, torch.Tensor):
+                    yield data
+        for torch_optimizer in _torch_optimizers(self.optimizer):
+            for group in torch_optimizer.param_groups:
+                for param in group["params"]:
+                    yield param
+                    if param.is_leaf and param.grad is not None:  # views: their base's
+                        yield param.grad
+            for state in torch_optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage``."""
+    out = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return out.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _ddp_buffers(model) -> list:
+    """megatron DDP's ``_ParamAndGradBuffer`` objects (dense and expert-parallel); none for a
+    plain module. (DDP's ``buffers`` attribute shadows ``nn.Module.buffers``.)"""
+    dense = model.__dict__.get("buffers", [])
+    experts = model.__dict__.get("expert_parallel_buffers", [])
+    return list(dense) + list(experts)
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers under a `PolicyOptimizer`, a megatron (chained) optimizer or a torch
+    optimizer."""
+    inner = getattr(optimizer, "inner", optimizer)
+    chained = getattr(inner, "chained_optimizers", None)
+    members = chained if chained is not None else [inner]
+    out = []
+    for member in members:
+        torch_optimizer = member if isinstance(member, torch.optim.Optimizer) else None
+        torch_optimizer = torch_optimizer or getattr(member, "optimizer", None)
+        if torch_optimizer is not None:
+            out.append(torch_optimizer)
+    return out

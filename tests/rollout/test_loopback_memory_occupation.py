@@ -1,0 +1,94 @@
+"""``/release_memory_occupation`` and ``/resume_memory_occupation`` as SGLang 0.5.23 serves them
+(tags, idle check, unreleased resume) through the client's `release_memory` / `resume_memory`,
+and what the stand-in refuses where SGLang would die or run on freed memory."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from rollout_testing import PROMPTS, tiny_config
+from sglang_source import sglang_path
+
+from megatron_rl.rollout import SamplingParams
+from megatron_rl.rollout.http_pool import HttpPoolConfig, request_json
+from megatron_rl.rollout.memory_occupation import MEMORY_TAGS
+from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+
+PARAMS = SamplingParams(max_new_tokens=2, seed=3)
+
+
+def _client(servers) -> SGLangEngine:
+    http = HttpPoolConfig(urls=tuple(s.url for s in servers), request_timeout_s=10.0)
+    return SGLangEngine(SGLangEngineConfig.from_hf_config(tiny_config(), http=http))
+
+
+def _post(server, path: str, payload: object) -> tuple[int, object]:
+    return request_json(server.url, "POST", path, payload, timeout_s=10.0)
+
+
+def test_released_tags_are_sglangs_and_an_unreleased_resume_is_refused(servers):
+    one, two = servers(2)
+    with _client([one, two]) as client:
+        client.release_memory()  # no tags: all three, on every server
+        assert one.memory.released() == two.memory.released() == set(MEMORY_TAGS)
+        client.resume_memory(["weights"])
+        with pytest.raises(RuntimeError, match=r"not released.*KeyError"):
+            client.resume_memory(["weights"])
+        assert one.memory.released() == {"kv_cache", "cuda_graph"}  # nothing changed
+        client.resume_memory(["kv_cache", "cuda_graph"])
+        assert not one.memory.released() and not two.memory.released()
+        assert len(client.generate(PROMPTS[:1], PARAMS, n=1)) == 1
+        with pytest.raises(ValueError, match="unknown memory tags"):
+            client.release_memory(["kv"])
+
+
+def test_generation_health_and_weight_loads_are_refused_while_their_memory_is_released(servers):
+    (server,) = servers(1)
+    with _client([server]) as client:
+        client.release_memory(["kv_cache"])
+        with pytest.raises(RuntimeError, match=r"HTTP 400.*kv_cache"):
+            client.generate(PROMPTS[:1], PARAMS, n=1)
+        assert request_json(server.url, "GET", "/health", None, timeout_s=10.0)[0] == 503
+        client.release_memory(["weights"])
+        status, body = _post(server, "/update_weights_from_disk", {"model_path": "unused"})
+        assert status == 400 and "weights" in body["message"]
+        status, body = _post(server, "/weights_checksum", {"names": []})
+        assert status == 400 and "released" in body["message"]
+        client.resume_memory(["weights"])  # slime's order: weights, the update, then kv_cache
+        assert _post(server, "/weights_checksum", {"names": []}) == (200, {})
+        client.resume_memory(["kv_cache"])
+        assert len(client.generate(PROMPTS[:1], PARAMS, n=1)) == 1
+
+
+def test_a_release_needs_an_idle_server_but_a_retract_pause_leaves_only_waiting_requests(servers):
+    (server,) = servers(1)
+    server.stall_s = 30.0
+    server.before_request = lambda path, payload: "stall" if path == "/generate" else None
+    stalled = threading.Thread(
+        target=_post, args=(server, "/generate", {"input_ids": PROMPTS[0]}), daemon=True
+    )
+    stalled.start()
+    with _client([server]) as client:
+        while not server._running:
+            threading.Event().wait(0.01)
+        with pytest.raises(RuntimeError, match="only when server is idle"):
+            client.release_memory(["kv_cache"])
+        assert not server.memory.released()
+        _post(server, "/pause_generation", {"mode": "retract"})  # the request now waits
+        client.release_memory(["kv_cache"])
+        client.resume_memory(["kv_cache"])
+        _post(server, "/continue_generation", {})
+        _post(server, "/abort_request", {"abort_all": True})
+    stalled.join(timeout=10.0)
+    assert not stalled.is_alive()
+
+
+def test_the_tags_and_the_idle_check_are_sglangs():
+    constants = sglang_path("srt/constants.py").read_text()
+    for tag in MEMORY_TAGS:
+        assert f'"{tag}"' in constants
+    updater = sglang_path("srt/managers/scheduler_components/weight_updater.py").read_text()
+    assert "self.offload_tags.remove(tag)" in updater  # KeyError for an unreleased tag
+    assert "ignore_waiting=scheduler is not None and scheduler._engine_paused" in updater
+    assert "release_memory_occupation should be called only when server is idle." in updater

@@ -1,0 +1,142 @@
+"""``--colocate``: the flag's checks, and the real CLI against the loopback SGLang stand-in: the
+trainer holds no device bytes while the servers generate, the servers see SGLang's memory calls
+in slime's order, and the weights they load are the trainer's (log-prob gap, checksums)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from trainer_testing import rendezvous, small_config
+
+from megatron_rl.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG = {"rollout_engine": "sglang", "sglang_url": ("http://127.0.0.1:1",)}
+ALL_TAGS = ["kv_cache", "weights", "cuda_graph"]
+
+
+def test_colocate_needs_sglang_servers_and_the_tensor_transport():
+    with pytest.raises(ValueError, match=r"--colocate=True: needs --rollout-engine sglang"):
+        TrainConfig.from_flags(colocate=True)
+    with pytest.raises(ValueError, match="--weight-sync-transport distributed"):
+        TrainConfig.from_flags(colocate=True, **SGLANG)
+    TrainConfig.from_flags(colocate=True, weight_sync_transport="tensor", **SGLANG)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [({"async_rollout": True}, "--async-rollout"), ({"eval_interval": 2}, "evaluation")],
+)
+def test_colocate_refuses_generation_while_the_trainer_holds_the_gpus(flags, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_flags(colocate=True, weight_sync_transport="tensor", **SGLANG, **flags)
+
+
+def _server(config: TrainConfig):
+    """A loopback server over the policy's architecture; records the memory calls in order."""
+    from megatron_rl.data import BuiltinTaskConfig, builtin_task
+    from megatron_rl.rollout import InProcessEngine
+    from megatron_rl.rollout.loopback_server import LoopbackServer
+    from megatron_rl.train.task import load_policy_config
+
+    tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.parallel.seed))
+    hf_config, _ = load_policy_config(config.task, tokenizer)
+    server = LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=99))
+    calls: list[tuple[str, list[str] | None]] = []
+
+    def record(path: str, payload: object) -> None:
+        if path.endswith("_memory_occupation"):
+            calls.append((path.strip("/").split("_")[0], payload.get("tags")))
+        elif path in ("/generate", "/update_weights_from_tensor") and (
+            not calls or calls[-1][0] != path  # consecutive calls counted once
+        ):
+            calls.append((path, None))
+
+    server.before_request = record
+    return server.start(), calls
+
+
+def _expected_calls(steps: int) -> list[tuple[str, list[str] | None]]:
+    calls = [("release", ["kv_cache", "cuda_graph"]), ("/update_weights_from_tensor", None)]
+    for _ in range(steps):
+        calls += [
+            ("resume", ["kv_cache", "cuda_graph"]),  # after the trainer's offload
+            ("/generate", None),
+            ("release", ALL_TAGS),  # before the trainer's onload
+            ("resume", ["weights"]),
+            ("/update_weights_from_tensor", None),
+        ]
+    return calls
+
+
+@pytest.mark.slow
+def test_the_cli_colocates_trainer_and_servers_in_slimes_order(tmp_path):
+    config = small_config(tmp_path)
+    server, calls = _server(config)
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "megatron_rl.train", "--device", "cpu", "--train-iters", "2",
+        "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+        "--micro-batch-size", "4", "--max-response-length", "3", "--seed", "7",
+        "--run-dir", str(run_dir), "--no-progress", "--torch-threads", "1",
+        "--rollout-engine", "sglang", "--sglang-url", server.url,
+        "--weight-sync-transport", "tensor", "--colocate",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "cli.log"
+    # to a file, not a pipe: on CPU the tensor transport's shared memory starts torch's
+    # torch_shm_manager, which inherits the pipe and outlives the CLI
+    try:
+        with log.open("w") as out:
+            result = subprocess.run(
+                command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=600
+            )
+    finally:
+        server.stop()
+    assert result.returncode == 0, log.read_text()[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["colocate/trainer_resident_bytes_during_rollout"] == 0.0
+        assert row["colocate/offloaded_bytes"] > 1e5  # the tiny policy, its grads and Adam
+        assert row["colocate/offload_s"] > 0 and row["colocate/onload_s"] > 0
+        assert row["mismatch/train_rollout_logprob_abs_gap"] < 1e-4  # the trainer's weights
+    assert calls == _expected_calls(steps=2)
+    assert server.engine.weight_version == 2
+    assert server.memory.released() == {"kv_cache", "cuda_graph"}  # between steps: weights only
+
+
+@pytest.mark.slow
+def test_a_colocated_run_syncs_the_trainers_exact_weights(tmp_path, monkeypatch):
+    """In process, with the sync's per-tensor checksums on (a mismatch drops the only server
+    and fails the sync): every sync after an offload and onload loads the trainer's weights."""
+    from megatron_rl.rollout import weight_sync
+    from megatron_rl.train.run import run
+
+    def checked(**kwargs):
+        return dataclasses.replace(original(**kwargs), checksum=True)
+
+    original = weight_sync.WeightSyncConfig
+    monkeypatch.setattr(weight_sync, "WeightSyncConfig", checked)
+    config = small_config(tmp_path, train_iters=2)
+    server, calls = _server(config)
+    try:
+        colocated = config.with_flags(
+            rollout_engine="sglang",
+            sglang_url=(server.url,),
+            weight_sync_transport="tensor",
+            colocate=True,
+        )
+        last = run(colocated, **rendezvous(tmp_path))
+    finally:
+        server.stop()
+    assert server.requests.count("/weights_checksum") == 3  # the first sync and one per step
+    assert last["colocate/trainer_resident_bytes_during_rollout"] == 0.0
+    assert last["colocate/offloaded_bytes"] > 1e5
+    assert calls == _expected_calls(steps=2)
