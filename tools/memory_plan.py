@@ -12,6 +12,11 @@
         --decoder-first-pipeline-num-layers 23 --decoder-last-pipeline-num-layers 23 \
         --optimizer-offload-fraction 1 --micro-batch-tokens 18432 --reference gpu
 
+    # the colocated launcher (run_qwen3_30b_a3b_colocated.sh): the trainer and one TP-8 SGLang
+    # server per node on the same 32 GPUs; its --mem-fraction-static (0.76; 0.86 at 141 GiB)
+    python tools/memory_plan.py --model qwen3-30b-a3b --tp 2 --ep 8 --world-size 32 \
+        --micro-batch-tokens 18432 --gpu-gib 80 --colocated --server-tp 8
+
     # the GPU smoke's slice (tools/gpu_smoke.py): Qwen3-30B-A3B's shape with 2 layers on one GPU,
     # local spec (unfused attention), no recompute, no reserve; the H200 measured 44.6 / 81.4 GiB
     python tools/memory_plan.py --model qwen3-30b-a3b --num-layers 2 --spec local \
@@ -340,8 +345,6 @@ def render_colocated(colocated: ColocatedPlan, console: Console) -> None:
         f"--mem-fraction-static {colocated.mem_fraction_static}; host "
         f"{colocated.host_bytes_per_node / GIB:.1f} GiB per node of {server.host_gib:g}"
     )
-    for warning in colocated.warnings:
-        console.print(f"[yellow]warning[/yellow]: {escape(warning)}")
     verdict = "FITS" if colocated.fits else "DOES NOT FIT"
     console.print(f"[bold]colocated: {verdict}[/bold] in {plan.gpu_gib:g} GiB")
     for problem in colocated.problems:

@@ -3,10 +3,10 @@
 Per GPU, with ``C`` the GPU's memory, ``W = model bytes / server TP`` the server's weights share
 and the trainer's plan (`plan_memory`) for the fullest pipeline stage:
 
-    train    trainer peak                    + server residue (released: context, NCCL, cache)
+    startup  trainer static terms            + W + server residue (released: context, NCCL, cache)
+    train    trainer peak                    + residue
     sync     trainer static terms            + W + residue + one weight-sync bucket
     rollout  trainer resident after offload  + W + KV + SGLang's reserve  =  C
-    startup  trainer static terms            + W + KV + residue + CUDA graphs
 
 so the KV-cache budget is ``KV = C - resident - W - reserve``, and SGLang, which sizes its pool
 as ``free memory at start x mem_fraction_static - W`` (``kv_cache_configurator.
@@ -16,8 +16,10 @@ replicates KV heads when TP exceeds them). The trainer's resident remainder is i
 terms less what `megatron_rl.train.offload` moves (parameters, padding, grad buffers, optimizer
 state): the reserve, GPU routing state, a GPU reference model, the scores buffer.
 
-``startup``: the trainer builds its model and optimizer before ``Colocation.start`` releases the
-servers' KV cache and CUDA graphs (train/trainer.py), so the servers are fully resident then.
+``startup``: the trainer releases the servers' KV cache and CUDA graphs
+(`megatron_rl.train.colocate.release_generation_memory`) before it builds its model and optimizer
+(train/trainer.py, slime's order), so the servers hold only their weights then: one bucket less
+than ``sync``, and the rollout-optimal fraction is safe from the start.
 
 Host, per node: ``gpus_per_node x`` (what offload pins per rank + the plan's host terms).
 """
@@ -40,10 +42,10 @@ OFFLOADED = (
     "optimizer: dense",
     "optimizer: experts",
 )
+PHASE_STARTUP = "startup: trainer built, servers' weights only"
 PHASE_TRAIN = "train: trainer peak, servers released"
 PHASE_SYNC = "weight sync: trainer static, servers' weights back"
 PHASE_ROLLOUT = "rollout: trainer offloaded, servers resident"
-PHASE_STARTUP = "startup: trainer built, servers fully resident"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,8 +100,7 @@ def kv_bytes_per_token(shape, server: ServerOptions) -> int:
 @dataclasses.dataclass(frozen=True, slots=True)
 class ColocatedPlan:
     """Per GPU: the four phases; the KV budget, its tokens and the ``--mem-fraction-static``;
-    per node: the host copies. ``problems``: why the layout cannot run (empty: it can);
-    ``warnings``: what fails with the trainer's current start-up order (`PHASE_STARTUP`)."""
+    per node: the host copies. ``problems``: why the layout cannot run (empty: it can)."""
 
     plan: MemoryPlan
     server: ServerOptions
@@ -110,13 +111,6 @@ class ColocatedPlan:
     mem_fraction_static: float
     host_bytes_per_node: int
     problems: tuple[str, ...]
-    warnings: tuple[str, ...] = ()
-    startup_fraction: float = 0.0  # the largest fraction whose startup phase fits
-
-    @property
-    def startup_kv_bytes(self) -> int:
-        """The KV budget at ``startup_fraction`` (the trainer's current start-up order)."""
-        return max(0, int(self.startup_fraction * self.plan.gpu_gib * GIB) - self.weights_bytes)
 
     @property
     def kv_tokens(self) -> int:
@@ -147,9 +141,6 @@ class ColocatedPlan:
             "host_gib_per_node": round(self.host_bytes_per_node / GIB, 4),
             "fits": self.fits,
             "problems": list(self.problems),
-            "warnings": list(self.warnings),
-            "startup_mem_fraction_static": self.startup_fraction,
-            "startup_kv_cache_gib": round(self.startup_kv_bytes / GIB, 4),
         }
 
 
@@ -180,6 +171,7 @@ def plan_colocated(plan: MemoryPlan, server: ServerOptions | None = None) -> Col
     w_term = Term("server weights", weights, True, note=f"model bytes / server TP {server.tp}")
     kv_term = Term("KV cache", kv, False, note=f"{fraction} x GPU - server weights")
     phases = (
+        Phase(PHASE_STARTUP, (static, w_term, residue)),
         Phase(
             PHASE_TRAIN,
             (Term("trainer peak", plan.peak.gpu_bytes, False, plan.peak.peak_phase.name), residue),
@@ -189,16 +181,6 @@ def plan_colocated(plan: MemoryPlan, server: ServerOptions | None = None) -> Col
             PHASE_ROLLOUT,
             (*kept, w_term, kv_term, Term("SGLang reserve", server.reserve_bytes, False)),
         ),
-        Phase(
-            PHASE_STARTUP,
-            (
-                static,
-                w_term,
-                kv_term,
-                residue,
-                Term("CUDA graphs", server.decode_max_bs * 2 * MIB, False, "2 MB x max batch"),
-            ),
-        ),
     )
     problems = []
     if kv <= 0:
@@ -207,8 +189,8 @@ def plan_colocated(plan: MemoryPlan, server: ServerOptions | None = None) -> Col
             f"{weights / GIB:.2f} GiB + SGLang's reserve {server.reserve_bytes / GIB:.2f} GiB "
             f"leave {kv_max / GIB:.2f} GiB of {plan.gpu_gib:g}; use more GPUs or a larger server TP"
         )
-    for phase in phases[:2]:
-        if phase.nbytes > capacity:
+    for phase in phases:  # the rollout fills the GPU by construction (or has no KV: above)
+        if phase.name != PHASE_ROLLOUT and phase.nbytes > capacity:
             problems.append(f"{phase.name}: {phase.nbytes / GIB:.2f} > {plan.gpu_gib:g} GiB")
     host_terms = max(sum(t.nbytes for t in s.terms if not t.on_gpu) for s in plan.stages)
     host = server.gpus_per_node * (max(_split(s)[0] for s in plan.stages) + host_terms)
@@ -217,19 +199,7 @@ def plan_colocated(plan: MemoryPlan, server: ServerOptions | None = None) -> Col
             f"host: {host / GIB:.1f} GiB per node > {server.host_gib:g} GiB (every rank's "
             "offloaded parameters, gradients and optimizer state)"
         )
-    warnings = []
-    startup = phases[3].nbytes
-    graphs, residue_bytes = server.decode_max_bs * 2 * MIB, residue.nbytes
-    room = capacity - static.nbytes - residue_bytes - graphs  # for weights + KV at startup
-    startup_fraction = max(0.0, math.floor(100 * room / capacity) / 100)
-    if kv > 0 and startup > capacity:
-        warnings.append(
-            f"{PHASE_STARTUP}: {startup / GIB:.2f} > {plan.gpu_gib:g} GiB: the servers keep "
-            "their KV cache and CUDA graphs until the trainer has built its model; release them "
-            f"before the build (slime's order), or pass --mem-fraction-static {startup_fraction}"
-        )
     per_token = kv_bytes_per_token(plan.shape, server)
     return ColocatedPlan(
-        plan, server, phases, weights, kv, per_token, fraction, host, tuple(problems),
-        tuple(warnings), startup_fraction,
-    )  # fmt: skip
+        plan, server, phases, weights, kv, per_token, fraction, host, tuple(problems)
+    )

@@ -24,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron_rl.rollout.memory_occupation import CUDA_GRAPH, KV_CACHE, WEIGHTS
+from megatron_rl.rollout.memory_occupation import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS
 from megatron_rl.train.offload import TrainerOffload
 
 GENERATION_TAGS = (KV_CACHE, CUDA_GRAPH)  # resumed for a rollout, after the weights are in
@@ -39,6 +39,9 @@ class Colocation:
         self.engine = engine
         self.group = group  # the barrier's process group (None: every rank)
         self._metrics: dict[str, float] = {}
+        # the servers' released tags, as this side left them (`release_generation_memory`
+        # released the generation tags before the model was built)
+        self.released: set[str] = set(GENERATION_TAGS)
 
     def before_rollout(self) -> None:
         """Trainer offload, then the servers' KV cache and CUDA graphs back."""
@@ -49,6 +52,7 @@ class Colocation:
         self._barrier()
         if self.engine is not None:
             self.engine.resume_memory(list(GENERATION_TAGS))
+        self.released -= set(GENERATION_TAGS)
         self._barrier()  # every rank generates its own share: none before the resume
 
     def before_train(self) -> None:
@@ -61,6 +65,7 @@ class Colocation:
         self._barrier()
         if self.engine is not None:
             self.engine.release_memory(None)  # no tags: kv_cache, weights and cuda_graph
+        self.released = set(MEMORY_TAGS)
         self._barrier()
         t = time.perf_counter()
         self.offload.onload()
@@ -70,6 +75,17 @@ class Colocation:
         """The servers take their weights back (SGLang loads into them)."""
         if self.engine is not None:
             self.engine.resume_memory([WEIGHTS])
+        self.released.discard(WEIGHTS)
+
+    def close(self) -> None:
+        """Leave the servers as they started, everything resident (a next run releases the
+        generation tags again, and SGLang's memory saver must not pause a region twice); the
+        trainer takes its memory back if a step ended while it was offloaded."""
+        if self.engine is not None and self.released:
+            self.engine.resume_memory(sorted(self.released))
+        self.released = set()
+        if self.offload.offloaded:
+            self.offload.onload()
 
     def metrics(self) -> dict[str, float]:
         """``colocate/offload_s``, ``colocate/onload_s``, ``colocate/offloaded_bytes`` and

@@ -729,6 +729,8 @@ class Trainer:
 
     def close(self) -> None:
         self.rollouts.close()  # a generation still running (an error mid-step) ends first
+        if getattr(self, "colocation", None) is not None:  # the servers get back their memory
+            self.colocation.close()
         self.replay.close()
         for stage in self.stage_senders:
             stage.close()

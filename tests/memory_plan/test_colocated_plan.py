@@ -1,6 +1,7 @@
-"""The colocated view (`plan_colocated`): each phase is the sum of its terms, the KV budget and
-``--mem-fraction-static`` follow from them by hand, and a layout that cannot run is reported
-(no KV cache, a phase over the GPU, the host), never a negative budget."""
+"""The colocated view (`plan_colocated`): each phase is the sum of its terms, the start-up phase
+holds the servers' weights only (the trainer releases their KV cache and CUDA graphs before it
+builds), the KV budget and ``--mem-fraction-static`` follow by hand, and a layout that cannot run
+is reported (no KV cache, a phase over the GPU, the host), never a negative budget."""
 
 from __future__ import annotations
 
@@ -63,9 +64,8 @@ def test_tiny_model_phases_are_the_sums_of_their_terms():
     residue, weights = int(0.05 * GIB), colocated.weights_bytes
     assert colocated.phase(PHASE_TRAIN).nbytes == plan.total_bytes + residue
     assert colocated.phase(PHASE_SYNC).nbytes == static + weights + residue + MIB
-    graphs = 512 * 2 * MIB  # SGLang's 2 MB per decode batch entry, max batch 512
-    startup = static + weights + colocated.kv_bytes + residue + graphs
-    assert colocated.phase(PHASE_STARTUP).nbytes == startup
+    # the servers released their KV cache and CUDA graphs before the trainer built
+    assert colocated.phase(PHASE_STARTUP).nbytes == static + weights + residue
     assert colocated.host_bytes_per_node == 8 * moved  # 8 ranks' offloaded copies
     assert moved == static - GIB // 8  # everything but the reserve is offloaded
 
@@ -93,7 +93,6 @@ def test_no_room_for_a_kv_cache_is_reported_not_negative():
     (problem,) = colocated.problems
     assert problem.startswith("no KV cache:") and "leave -0.03 GiB of 0.3" in problem
     assert all(term.nbytes >= 0 for phase in colocated.phases for term in phase.terms)
-    assert not colocated.warnings  # no start-up advice for a layout that cannot run
 
 
 def test_a_phase_over_the_gpu_and_a_host_too_small_are_reported():
@@ -104,7 +103,25 @@ def test_a_phase_over_the_gpu_and_a_host_too_small_are_reported():
     problems = "\n".join(colocated.problems)
     assert colocated.kv_bytes > 0 and not colocated.fits
     assert f"{PHASE_TRAIN}: 82.40 > 80 GiB" in problems  # one node: expert state unsharded
+    assert f"{PHASE_STARTUP}: 81.37 > 80 GiB" in problems  # checked like the others
     assert "host: 538.1 GiB per node > 256 GiB" in problems
+
+
+def test_startup_holds_no_kv_so_the_rollout_fraction_is_safe_from_the_start():
+    """The launcher's layout at 80 and 141 GiB: start-up is the sync phase less its bucket, with
+    no KV cache or CUDA graphs, far below the GPU at the rollout-optimal fraction."""
+    config = load_model_config("qwen3-30b-a3b")
+    layout = make_layout(32, tensor_parallel=2, expert_parallel=8, sequence_parallel=True)
+    options = PlanOptions(micro_batch_tokens=18432)
+    for gpu_gib, fraction in ((80, 0.76), (141, 0.86)):
+        plan = plan_memory(config, layout, options, gpu_gib=gpu_gib)
+        colocated = plan_colocated(plan)
+        startup = colocated.phase(PHASE_STARTUP)
+        names = [term.name for term in startup.terms]
+        assert names == ["trainer static", "server weights", "server residue"]
+        assert startup.nbytes == colocated.phase(PHASE_SYNC).nbytes - 512 * MIB
+        assert round(startup.nbytes / GIB, 2) == 49.37 < gpu_gib
+        assert colocated.mem_fraction_static == fraction and colocated.fits
 
 
 def test_server_options_refuse_a_tp_that_does_not_tile_the_node():
@@ -119,8 +136,10 @@ def test_cli_colocated_json_and_table(capsys):
     assert tool.main([*argv, "--json"]) == 0
     colocated = json.loads(capsys.readouterr().out)["colocated"]
     assert colocated["mem_fraction_static"] == 0.76 and colocated["kv_tokens"] == 2_345_803
-    assert colocated["startup_mem_fraction_static"] == 0.45 and colocated["fits"]
+    assert colocated["kv_cache_gib"] == pytest.approx(53.69, abs=0.01) and colocated["fits"]
+    assert colocated["phases"][PHASE_STARTUP]["gib"] == pytest.approx(49.37, abs=0.01)
     assert tool.main([*argv, "--gpu-gib", "141"]) == 0
     out = capsys.readouterr().out
     assert "--mem-fraction-static 0.86" in out and "4,987,341 tokens" in out
+    assert "KV cache 114.15 GiB per GPU" in out and "warning" not in out
     assert "colocated: FITS in 141 GiB" in out

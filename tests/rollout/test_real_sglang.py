@@ -500,3 +500,39 @@ def test_each_pipeline_stage_sends_its_own_weights_to_the_real_server(server, tm
     assert all(mb > 0 for mb in stage_mb)
     assert str(info["weight_version"]) == str(steps)
     assert max(gaps) < 0.05, gaps
+
+
+@pytest.mark.slow
+def test_a_colocated_run_hands_the_real_servers_memory_back_and_forth(server, tmp_path):
+    """The real CLI with ``--colocate`` against the real server: its
+    ``/release_memory_occupation`` and ``/resume_memory_occupation`` take every call of the
+    hand-over (SGLang's scheduler asserts an idle server on release and dies on a resume of a
+    tag not released: either would end this server), weights go by the ``tensor`` transport
+    inside a session, and the run leaves the server as it found it, generating. On CPU the
+    server's memory saver is off, so nothing is freed there: the calls and their order are what
+    this run checks, the trainer's side is accounted by ``colocate/*``."""
+    run_dir = tmp_path / "run"
+    steps = 3
+    command = [
+        sys.executable, "-m", "megatron_rl.train", "--run-dir", str(run_dir), "--device", "cpu",
+        "--no-progress", "--rollout-engine", "sglang", "--sglang-url", server.url,
+        "--weight-sync-transport", "tensor", "--colocate", "--train-iters", str(steps),
+        "--torch-threads", "1",
+    ]  # fmt: skip
+    log = tmp_path / "run.log"
+    with log.open("w") as out:  # not a pipe: torch's shared-memory manager outlives the run
+        code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=out, timeout=1800).returncode
+    assert code == 0, log.read_text()[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert len(rows) == steps
+    gaps = [r["mismatch/train_rollout_logprob_abs_gap"] for r in rows]
+    print(f"real SGLang, colocated: log-prob gaps {gaps}")
+    assert all(r["colocate/trainer_resident_bytes_during_rollout"] == 0 for r in rows)
+    assert max(gaps) < 0.05, gaps
+    status, answer = real.request(
+        server.url,
+        "POST",
+        "/generate",
+        {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}},
+    )
+    assert status == 200 and answer["meta_info"]["completion_tokens"] == 2, answer
