@@ -7,6 +7,7 @@ bucket came over; `test_real_sglang.py` runs the same layout against the real SG
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from real_sglang.servers import write_tiny_checkpoint
@@ -20,6 +21,23 @@ from megatron_rl.rollout.loopback_server import LoopbackServer
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 STEPS = 2
 PP2 = ("--pipeline-model-parallel-size", "2")
+
+
+def two_servers(model: Path) -> list[LoopbackServer]:
+    """Two loopback stand-ins of the checkpoint's shape (other random weights than it)."""
+    hf_config = load_hf_config(model)
+    return [
+        LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=s)).start() for s in (9, 8)
+    ]
+
+
+def train_pp2(model: Path, tmp_path: Path, servers, *flags: str) -> list[dict]:
+    """The CLI under torchrun with PP2 against ``servers`` over the distributed transport."""
+    urls = [flag for s in servers for flag in ("--sglang-url", s.url)]
+    return torchrun_train(
+        model, tmp_path / "run", *PP2, "--rollout-engine", "sglang", *urls,
+        "--weight-sync-transport", "distributed", *flags,
+    )  # fmt: skip
 
 
 def recording(server: LoopbackServer) -> list[tuple[str, list[str]]]:
@@ -49,19 +67,11 @@ def test_each_stage_broadcasts_its_own_tensors_once_per_sync(four_layers, tmp_pa
     server, stage 1's layers over stage 1's own group (not through rank 0; with
     ``--weight-sync-from-rank-0`` everything over rank 0's), and the servers' log-probs are the
     trainer's (fp32 both: a tensor lost or crossed would show)."""
-    hf_config = load_hf_config(four_layers)
-    servers = [LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=9)).start()]
-    servers.append(LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=8)).start())
+    servers = two_servers(four_layers)
     loads = [recording(s) for s in servers]
     try:
-        urls = [flag for s in servers for flag in ("--sglang-url", s.url)]
-        rows = torchrun_train(
-            four_layers,
-            tmp_path / "run",
-            *PP2,
-            "--rollout-engine", "sglang", *urls, "--weight-sync-transport", "distributed",
-            *(["--weight-sync-from-rank-0"] if senders == "rank-0" else []),
-        )  # fmt: skip
+        flags = ["--weight-sync-from-rank-0"] if senders == "rank-0" else []
+        rows = train_pp2(four_layers, tmp_path, servers, *flags)
         versions = [s.engine.weight_version for s in servers]
     finally:
         for server in servers:
@@ -90,10 +100,7 @@ def test_each_stage_broadcasts_its_own_tensors_once_per_sync(four_layers, tmp_pa
 def test_a_server_dying_in_a_later_stage_leaves_and_the_sync_goes_on(four_layers, tmp_path):
     """A server that dies on stage 1's first bucket of the second sync leaves that sync: stage
     1's group is rebuilt over the survivor, which gets every tensor, and the run goes on."""
-    hf_config = load_hf_config(four_layers)
-    servers = [
-        LoopbackServer(InProcessEngine.from_hf_config(hf_config, seed=s)).start() for s in (9, 8)
-    ]
+    servers = two_servers(four_layers)
     survivor, dying = servers
     loads = recording(survivor)
 
@@ -103,14 +110,7 @@ def test_a_server_dying_in_a_later_stage_leaves_and_the_sync_goes_on(four_layers
 
     dying.before_request = die_in_stage_one
     try:
-        urls = [flag for s in servers for flag in ("--sglang-url", s.url)]
-        rows = torchrun_train(
-            four_layers,
-            tmp_path / "run",
-            *PP2,
-            "--rollout-engine", "sglang", *urls, "--weight-sync-transport", "distributed",
-            "--sglang-reprobe-interval", "300",
-        )  # fmt: skip
+        rows = train_pp2(four_layers, tmp_path, servers, "--sglang-reprobe-interval", "300")
         version = survivor.engine.weight_version
     finally:
         for server in servers:
