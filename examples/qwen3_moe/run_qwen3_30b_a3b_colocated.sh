@@ -5,8 +5,10 @@
 # offloads its parameters, gradient buffers and optimizer state to host memory and the servers
 # resume their KV cache and CUDA graphs; before the update the servers release all of their
 # memory (--enable-memory-saver: torch_memory_saver unmaps it) and the trainer onloads; the
-# weights go by CUDA IPC (--weight-sync-transport tensor). Run this script on EVERY node with the
-# same environment; NODE_RANK is the node's place in NODE_HOSTS.
+# weights go by CUDA IPC (--weight-sync-transport tensor). At start-up the trainer has the servers
+# release their KV cache and CUDA graphs before it builds its model and optimizer (train/
+# trainer.py, slime's order), so while it builds the servers hold only their weights. Run this
+# script on EVERY node with the same environment; NODE_RANK is the node's place in NODE_HOSTS.
 #
 #   HF_CKPT=/shared/Qwen3-30B-A3B PROMPTS=/shared/dapo-math-17k.parquet \
 #   NODE_HOSTS="node0 node1 node2 node3" NODE_RANK=0 \
@@ -23,33 +25,31 @@
 # launcher; the server stops with its node's training.
 #
 # Why one TP-8 server per node rather than one per trainer TP group (TP 2, four per node): the
-# weights share is 1/8 of the model per GPU (7.1 GiB, against 28.4 at TP 2), it is the
-# disaggregated launcher's server (TP 8 / EP 8, --sglang-engine-ranks 8), and at the start-up-safe
-# fraction below TP 2 would keep 7.6 GiB of KV per GPU against 28.9. Its cost: the 4 KV heads are
-# replicated twice over TP 8, so at the rollout-optimal fractions a node holds 2.35M tokens where
-# four TP-2 servers would hold 2.90M (and two TP-4 servers, which this launcher does not offer,
-# 4.14M; 1.90M against 1.26M at the start-up-safe fraction).
+# weights share is 1/8 of the model per GPU (7.1 GiB, against 28.4 at TP 2), so the weight sync
+# peaks at 49.9 GiB per GPU (71.2 at TP 2) and each GPU keeps 53.7 GiB of KV (33.2 at TP 2); and
+# it is the disaggregated launcher's server (TP 8 / EP 8, --sglang-engine-ranks 8). Its cost: the
+# 4 KV heads are replicated twice over TP 8, so a node holds 2.35M tokens where four TP-2 servers
+# would hold 2.90M (and two TP-4 servers, which this launcher does not offer, 4.14M).
 #
 # --mem-fraction-static from the memory plan (docs/cluster-launch.md, "Colocated"), per GPU:
 #   python tools/memory_plan.py --model qwen3-30b-a3b --tp 2 --ep 8 --world-size 32 \
 #       --micro-batch-tokens 18432 --gpu-gib 80 --colocated --server-tp 8
-#   train    trainer peak 47.39 + released server 3.0 (assumed)                    = 50.39 GiB
-#   sync     trainer static 39.26 + server weights 7.11 + 3.0 + bucket 0.5          = 49.87 GiB
-#   rollout  trainer resident 4.0 + weights 7.11 + KV 53.69 + SGLang reserve 14.5   = 79.30 GiB
+#   startup  trainer static 39.26 + server weights 7.11 + released server 3.0 (assumed) = 49.37 GiB
+#   train    trainer peak 47.39 + released server 3.0                                 = 50.39 GiB
+#   sync     trainer static 39.26 + server weights 7.11 + 3.0 + bucket 0.5             = 49.87 GiB
+#   rollout  trainer resident 4.0 + weights 7.11 + KV 53.69 + SGLang reserve 14.5      = 79.30 GiB
 #   -> 80 GiB: --mem-fraction-static 0.76, KV 53.69 GiB = 2,345,803 tokens (24,576 B per token
 #      per GPU: 48 layers x 2 x 1 KV head x 128 x 2 B); 141 GiB: 0.86, 114.15 GiB = 4,987,341
 #   host: 282 GiB of offloaded state per node (8 ranks x 35.3 GiB), of 2 TiB
-# The trainer builds its model and optimizer before it releases the servers' KV cache (train/
-# trainer.py: Colocation.start after the build), so at start-up both are resident: 104 GiB per GPU
-# at 0.76. MEM_FRACTION therefore defaults to the plan's start-up-safe 0.45 (80 GiB: KV 28.9 GiB
-# = 1.26M tokens; 141 GiB: MEM_FRACTION=0.69, 90.2 GiB); pass 0.76 / 0.86 once the trainer
-# releases the servers before building its model.
+# MEM_FRACTION defaults to the 80-GiB fraction, 0.76. On 141-GiB GPUs (H200) pass
+# MEM_FRACTION=0.86: the same command with --gpu-gib 141 prints it.
 #
 # NOT YET RUNNABLE ON MORE THAN ONE NODE: the tensor transport pushes every bucket from global
 # rank 0 as a CUDA IPC handle of rank 0's GPU (rollout/weight_sync/tensor.py), which the servers
 # of nodes 1-3 cannot open (another host's GPU), so the first sync fails. Until each node's ranks
 # push to their own node's server, NUM_NODES=1 runs the same job on one node (8 GPUs, data
-# parallel 4; the plan fits 141-GB GPUs, not 80-GB ones: 82.4 GiB while training).
+# parallel 4; the plan fits 141-GB GPUs, with MEM_FRACTION=0.86, not 80-GB ones: 82.4 GiB while
+# training).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "${HERE}/common.sh"
@@ -80,7 +80,7 @@ LOSS=${LOSS:-vespo}
 REPLAY=${REPLAY:-off}
 STALENESS=${STALENESS:-8}
 SGLANG_PORT=${SGLANG_PORT:-30000}
-MEM_FRACTION=${MEM_FRACTION:-0.45}
+MEM_FRACTION=${MEM_FRACTION:-0.76}  # the memory plan's, at 80 GiB (above; 141 GiB: 0.86)
 RUN_DIR=${RUN_DIR:-runs/qwen3-30b-a3b-colocated-${LOSS}-${REPLAY}-N${STALENESS}}
 TRAIN_NODES=${NUM_NODES}
 GPUS_PER_NODE=8

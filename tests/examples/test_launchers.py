@@ -223,12 +223,12 @@ def test_slurm_entry_refuses_a_wrong_allocation(tmp_path):
 
 # ------------------------------------------- the run script's failure handling, for real
 FAKE_TORCHRUN = """
-echo "$$" > "${FAKE_DIR}/torchrun.pid"
 [[ -f "${RUN_DIR}/job.alive" ]] && echo yes > "${FAKE_DIR}/heartbeat_seen"
-if [[ -n "${FAKE_EXIT:-}" ]]; then exit "${FAKE_EXIT}"; fi
+if [[ -n "${FAKE_EXIT:-}" ]]; then echo "$$" > "${FAKE_DIR}/torchrun.pid"; exit "${FAKE_EXIT}"; fi
 trap 'echo term > "${FAKE_DIR}/torchrun.term"; kill "${child}"; exit 143' TERM
 sleep 600 &
 child=$!
+echo "$$" > "${FAKE_DIR}/torchrun.pid"  # only once the trap is set: a test signals after this
 wait "${child}"
 """
 
@@ -578,7 +578,7 @@ def test_colocated_every_node_trains_and_serves_on_its_own_gpus():
         assert "--enable-memory-saver" in argv
         for flag, value in (("--tp-size", "8"), ("--ep-size", "8"), ("--host", "0.0.0.0")):
             assert argv[argv.index(flag) + 1] == value
-        assert argv[argv.index("--mem-fraction-static") + 1] == "0.45"
+        assert argv[argv.index("--mem-fraction-static") + 1] == "0.76"  # the plan's, 80 GiB
         torchrun = _train_argv(out)
         assert torchrun[torchrun.index("--nnodes") + 1] == "4"
         assert torchrun[torchrun.index("--node-rank") + 1] == str(rank)
@@ -595,14 +595,14 @@ def test_colocated_every_node_trains_and_serves_on_its_own_gpus():
 def test_colocated_server_command_is_the_server_launchers_plus_the_memory_saver(replay):
     from megatron_rl.rollout.launch import SGLangServerConfig, server_command
 
-    argv = _server_argv(_colocated(2, REPLAY=replay, MEM_FRACTION="0.76").stdout)
+    argv = _server_argv(_colocated(2, REPLAY=replay, MEM_FRACTION="0.86").stdout)
     config = SGLangServerConfig(
         model_path="/shared/Qwen3-30B-A3B",
         port=30000,
         host="0.0.0.0",
         tp_size=8,
         ep_size=8,
-        mem_fraction_static=0.76,
+        mem_fraction_static=0.86,
         return_routed_experts=replay == "r3",
         extra_args=("--enable-memory-saver",),
     )
@@ -639,7 +639,9 @@ def test_colocated_refuses_what_it_cannot_run(env, message):
 
 
 def test_colocated_memory_plan_gives_the_launchers_mem_fraction():
-    """The run script's numbers: the plan of the trainer's own layout on 32 GPUs."""
+    """The run script's numbers: the plan of the trainer's own layout on 32 GPUs. The trainer
+    releases the servers' KV cache and CUDA graphs before it builds, so the rollout-optimal
+    fraction is the default: start-up holds the servers' weights only, below the sync phase."""
     from megatron_rl.memory_plan import (
         GIB,
         Layout,
@@ -648,9 +650,11 @@ def test_colocated_memory_plan_gives_the_launchers_mem_fraction():
         plan_colocated,
         plan_memory,
     )
+    from megatron_rl.memory_plan.colocate import PHASE_STARTUP, PHASE_SYNC
     from megatron_rl.parallel import ParallelConfig
 
-    config = _trainer_config(_train_argv(_colocated(0).stdout))
+    out = _colocated(0).stdout
+    config = _trainer_config(_train_argv(out))
     p = config.parallel
     parallel = ParallelConfig(
         tensor_parallel=p.tensor_parallel,
@@ -667,11 +671,19 @@ def test_colocated_memory_plan_gives_the_launchers_mem_fraction():
     h100, h200 = by_gpu[80], by_gpu[141]
     assert h100.fits and h200.fits
     assert (h100.mem_fraction_static, h200.mem_fraction_static) == (0.76, 0.86)
-    assert (h100.startup_fraction, h200.startup_fraction) == (0.45, 0.69)  # MEM_FRACTION
+    server = _server_argv(out)
+    assert float(server[server.index("--mem-fraction-static") + 1]) == h100.mem_fraction_static
     assert h100.kv_tokens == 2_345_803 and h200.kv_tokens == 4_987_341
     assert h100.kv_bytes_per_token == 48 * 2 * 1 * 128 * 2
-    assert h100.warnings  # the trainer's start-up order, at the rollout-optimal fraction
+    for colocated in (h100, h200):
+        startup, sync = (colocated.phase(name).nbytes for name in (PHASE_STARTUP, PHASE_SYNC))
+        assert startup == sync - 512 * 1024**2 < 50 * GIB  # no KV cache, no CUDA graphs
     assert 280 * GIB < h100.host_bytes_per_node < 285 * GIB  # of 2 TiB
+    script = SCRIPT_COLOCATED.read_text()
+    assert f"MEM_FRACTION=${{MEM_FRACTION:-{h100.mem_fraction_static}}}" in script
+    assert f"MEM_FRACTION={h200.mem_fraction_static}" in script  # the 141-GiB advice
+    assert f"{h100.kv_tokens:,} tokens" in script and f"{h200.kv_tokens:,}" in script
+    assert "start-up-safe" not in script
 
 
 def test_colocated_slurm_entry_runs_every_node_as_trainer_and_server(tmp_path):

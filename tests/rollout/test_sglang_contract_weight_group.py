@@ -224,7 +224,7 @@ def test_a_failed_group_creation_destroys_both_halves(servers):
     pool = HttpPool(HttpPoolConfig(urls=(server.url,), request_timeout_s=60.0, backoff_s=0.01))
     sync = WeightSync(pool, WeightSyncConfig(transport="distributed", group_timeout_s=3.0))
     with pytest.raises(Exception, match=r"(?i)timed out|init_weights_update_group"):
-        sync.transport._init_group()
+        sync.transport._init_group(sync.transport.groups[0])
     assert sync.transport.groups[0].local is None and sync.transport.group_name is None
     assert not server.weight_groups
     assert "/destroy_weights_update_group" in server.requests
@@ -232,7 +232,7 @@ def test_a_failed_group_creation_destroys_both_halves(servers):
     # the retry must succeed however loaded the machine is: no short timeout decides it (the
     # 3 s above only bounds the wait for a member that never joins)
     sync.config.group_timeout_s = 300.0
-    sync.transport._init_group()  # a retry works under a new name
+    sync.transport._init_group(sync.transport.groups[0])  # a retry works under a new name
     name = sync.transport.group_name
     assert name != seen[0] and list(server.weight_groups) == [name]
     sync.close()
