@@ -149,12 +149,15 @@ def test_a_stalled_server_rejoins_after_a_full_sync_once_it_answers(servers, wei
         assert stalled.requests.count("/generate") == before
         _, metrics = step(client, weights, version=2)  # the full sync takes it back
         assert client.workers.dropped() == {} and stalled.engine.weight_version == 2
-        assert metrics.items() >= {
-            "rollout/servers_up": 2.0,
-            "rollout/servers_out": 0.0,
-            "rollout/servers_dropped": 1.0,
-            "rollout/servers_rejoined": 1.0,
-        }.items()
+        assert (
+            metrics.items()
+            >= {
+                "rollout/servers_up": 2.0,
+                "rollout/servers_out": 0.0,
+                "rollout/servers_dropped": 1.0,
+                "rollout/servers_rejoined": 1.0,
+            }.items()
+        )
         assert sum("in the pool again" in r.getMessage() for r in caplog.records) == 1
         samples = client.generate(PROMPTS * 4, PARAMS)
         assert {s.weight_version for s in samples} == {2}
