@@ -48,8 +48,6 @@ from megatron_rl.model import build_model
 from megatron_rl.model.conversion import iter_hf_tensors, iter_hf_tensors_every_stage
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.rollout.protocol import RolloutEngine
-from megatron_rl.rollout.weight_sync.rank_handles import HandleLink, serve_handles
-from megatron_rl.rollout.weight_sync.tensor import bucket_object, serializer
 from megatron_rl.routing import RoutingCodec
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
@@ -181,6 +179,8 @@ class Trainer:
         # (weight_sync/rank_handles.py): every rank stages every bucket
         self.handle_link = None
         if engine_config.colocate:
+            from megatron_rl.rollout.weight_sync.rank_handles import HandleLink
+
             self.handle_link = HandleLink(self.engine.config.sync, len(engine_config.sglang_url))
         self.step_index = 0
         self.weight_version = 0
@@ -657,6 +657,9 @@ class Trainer:
             if pushes:
                 self.engine.update_weights(stream, version=version, peers=self.handle_link)
             else:
+                from megatron_rl.rollout.weight_sync.rank_handles import serve_handles
+                from megatron_rl.rollout.weight_sync.tensor import bucket_object, serializer
+
                 serve_handles(self.handle_link, stream, version, serializer(), bucket_object)
         elif self.stage_senders or self.stage_sender is not None:
             # every stage sends its own tensors over its own group; rank 0 drives them
