@@ -135,7 +135,34 @@ VESPO_PAPER = Recipe(
     ),
 )
 
-RECIPES = {"epic-paper": EPIC_PAPER, "vespo-paper": VESPO_PAPER}
+# The study of docs/study.md: which of routing replay, VESPO and EPIC holds up under staleness and
+# mismatch. EPIC's arms (Table 2, its calibration ablation, GRPO Clip-Higher with R2 / R3), VESPO
+# with its paper's (c1, c2), and the control that records R3 routes without replaying them (it
+# measures the mismatch of an unreplayed run), all under EPIC's shared protocol, evaluated every
+# 10 steps.
+STUDY = dataclasses.replace(
+    EPIC_PAPER,
+    source="docs/study.md: EPIC Table 2 / Sec. 9.5 arms, VESPO Sec. 4.1, R3 record-only control",
+    arms={
+        **EPIC_PAPER.arms,
+        "vespo": VESPO_PAPER.arms["vespo"],
+        "grpo-r3rec": _flags(
+            "--loss grpo --clip-low 0.2 --clip-high 0.28 --routing-replay r3 --routing-record-only"
+        ),
+    },
+    protocol=_flags(
+        "--temperature 1.0 --top-p 1.0 --n-samples-per-prompt 8 "
+        "--dynamic-sampling --over-sampling-ratio 0.1 "
+        "--eval-interval 10 --n-samples-per-eval-prompt 8 --eval-temperature 1.0 --eval-top-p 0.7 "
+        "--kl-coef 1e-3 --lr-warmup-iters 10 --clip-grad 1.0"
+    ),
+    notes=(
+        "EPIC's protocol for every arm, VESPO included (its paper trains without KL; here the "
+        "shared 1e-3 applies), with held-out evaluation every 10 steps. " + EPIC_PAPER.notes
+    ),
+)
+
+RECIPES = {"epic-paper": EPIC_PAPER, "vespo-paper": VESPO_PAPER, "study": STUDY}
 
 
 def get_recipe(name: str) -> Recipe:

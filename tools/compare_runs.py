@@ -74,6 +74,12 @@ from megatron_rl.study import stats  # noqa: E402
 PRESETS = {
     "none": {"model": None, "rollout_dtype": "float32"},
     "mismatch": {"model": "tiny-mismatch", "rollout_dtype": "bfloat16"},
+    "mismatch-fp8": {"model": "tiny-mismatch", "rollout_dtype": "float8"},
+    "mismatch-noise": {
+        "model": "tiny-mismatch",
+        "rollout_dtype": "bfloat16",
+        "flags": ("--rollout-router-noise", "0.05"),
+    },
 }
 REPLAY_FLAGS = {
     "off": ["--routing-replay", "off"],
@@ -83,11 +89,12 @@ REPLAY_FLAGS = {
 }
 ROUTING_DTYPES = ("auto", "uint8", "int16", "int32", "packed")
 CORRECTIONS = ("none", "tis-token", "tis-seq", "mis-token", "mis-seq", "icepop")
-DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float8": "fp8"}
 DONE = "done.json"
 METRICS = "metrics.jsonl"
 
 PANELS = (
+    ("eval_mean", "held-out mean@k"),
     ("accuracy", "accuracy"),
     ("reward/mean", "reward"),
     ("clip_frac", "clip fraction (any side)"),
@@ -96,6 +103,7 @@ PANELS = (
     ("routing/agreement/update", "routing agreement after updates"),
     ("mismatch/train_rollout_logprob_abs_gap", "|train - rollout| log-prob"),
     ("grad_norm", "grad norm"),
+    ("policy/clip_position_cv", "clip position CV"),
 )
 
 
@@ -165,11 +173,13 @@ def arm_flags(arm: Arm, args) -> list[str]:
     while global_batch % micro:
         micro -= 1
     model = PRESETS[args.preset]["model"]
+    preset_flags = PRESETS[args.preset].get("flags", ())
     objective = ["--loss", arm.loss, *REPLAY_FLAGS[arm.replay]]
     if arm.recipe:  # the paper's protocol and this arm's objective, at the study's scale
         objective = get_recipe(arm.recipe).flags(arm.loss)
     return [
         *(["--model", model] if model else []),
+        *preset_flags,
         *objective,
         "--routing-dtype", arm.routing_dtype, "--rollout-correction", arm.correction,
         "--rollout-dtype", arm.rollout_dtype,
@@ -286,7 +296,11 @@ def clip_fraction(row: dict) -> float | None:
 
 
 def value(row: dict, key: str) -> float | None:
-    return clip_fraction(row) if key == "clip_frac" else row.get(key)
+    if key == "clip_frac":
+        return clip_fraction(row)
+    if key == "eval_mean":  # the held-out eval/mean@n, whatever n
+        return next((v for k, v in row.items() if k.startswith("eval/mean@")), None)
+    return row.get(key)
 
 
 def curve(rows: list[dict], key: str) -> dict[int, float]:
@@ -303,9 +317,10 @@ def _mean_over_steps(rows: list[dict], key: str) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def _final_eval(rows: list[dict], window: int) -> float:
-    """The mean of the last ``window`` held-out evaluations' ``eval/mean@k`` (nan without)."""
-    keys = sorted({k for row in rows for k in row if k.startswith("eval/mean@")})
+def _final_eval(rows: list[dict], window: int, metric: str = "mean") -> float:
+    """The mean of the last ``window`` held-out evaluations' ``eval/<metric>@k`` (``mean`` or
+    ``pass``; nan without)."""
+    keys = sorted({k for row in rows for k in row if k.startswith(f"eval/{metric}@")})
     if not keys:
         return math.nan
     return stats.tail_mean(list(curve(rows, keys[0]).values()), window)
@@ -315,6 +330,7 @@ def _final_eval(rows: list[dict], window: int) -> float:
 RUN_METRICS = (
     ("final_accuracy", "final accuracy"),
     ("final_eval", "final held-out mean@k"),
+    ("final_pass", "final held-out pass@k"),
     ("first_step", "first step >= threshold"),
     ("logprob_gap", "abs log-prob gap"),
     ("k3", "train/rollout k3 KL"),
@@ -351,6 +367,7 @@ def run_scalars(rows: list[dict], marker: dict, threshold: float, window: int) -
         "routing_bytes": _mean_over_steps(rows, "routing/bytes_per_rank"),
         "peak_rss_mb": float(marker.get("peak_rss_mb", math.nan)),
         "final_eval": _final_eval(rows, window),
+        "final_pass": _final_eval(rows, window, "pass"),
     }
     layers = sorted(
         {k for row in rows for k in row if k.startswith("routing/agreement/behaviour/layer_")},
@@ -388,8 +405,8 @@ def fmt_ci(values: Sequence[float]) -> str:
 
 
 DIFF_METRICS = (
-    "final_accuracy", "logprob_gap", "k3", "agree_behaviour", "agree_update", "clip_frac",
-    "entropy", "time_step", "routing_bytes", "peak_rss_mb",
+    "final_accuracy", "final_eval", "final_pass", "logprob_gap", "k3", "agree_behaviour",
+    "agree_update", "clip_frac", "entropy", "time_step", "routing_bytes", "peak_rss_mb",
 )  # fmt: skip
 
 
@@ -409,6 +426,7 @@ def summary(
     lines += [
         f"Mean ± half-width of the 95% Student-t interval over the K seeds of each arm "
         f"(inf: K = 1). Final accuracy and entropy: mean of the last {window} steps of a run; "
+        f"final held-out mean@k / pass@k: mean of its last {window} evaluations; "
         "the log-prob gap, KL, agreements, clip fraction, s/step and routing bytes: mean over "
         "the run's steps; grad-norm spikes: steps with grad_norm > 3 x the run's median; "
         f"first step >= {threshold}: over the seeds that reach it (reached: k/K).",

@@ -45,16 +45,18 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 import torch
 from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from megatron_rl.rollout import hf_weights
+from megatron_rl.rollout import fp8_weights, hf_weights
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.route_capture import RouteCapture, moe_gates
+from megatron_rl.rollout.router_noise import RouterNoise
 from megatron_rl.rollout.sampling import LOGPROB_MODES, row_seed, sample_next, token_logprobs
 from megatron_rl.rollout.types import EngineHealth, RolloutSample, SamplingParams
 from megatron_rl.routing import CODECS, RoutingCodec
 
 logger = logging.getLogger(__name__)
 
-ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# engine dtype -> compute dtype; "float8": FP8 serving, e4m3 weights and bf16 compute
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
 _PARKED_POLL_S = 0.02  # a parked or waiting call re-checks its pause this often (lock released)
 
@@ -64,7 +66,12 @@ class InProcessEngineConfig:
     """Options of `InProcessEngine`.
 
     ``dtype="bfloat16"`` casts the weights (synced weights too), reproducing the train/inference
-    mismatch of bf16 serving. ``routing_codec``: the `RoutingCodec` dtype routes are stored in.
+    mismatch of bf16 serving; ``dtype="float8"`` also rounds the attention and MLP matrices to
+    e4m3 per output channel after every load (FP8 serving, `megatron_rl.rollout.fp8_weights`),
+    a stronger mismatch. ``router_noise`` > 0: Gaussian noise of that relative size in every
+    router's logits before the top-k (`megatron_rl.rollout.router_noise`, drawn from a generator
+    seeded with ``router_noise_seed``), a mismatch that persists at trained weights.
+    ``routing_codec``: the `RoutingCodec` dtype routes are stored in.
     ``logprob_mode``: see `megatron_rl.rollout.sampling`. ``pause_mode``: None (default), an
     `InProcessEngine.update_weights` during a running ``generate`` waits for it to end; one of
     `PAUSE_MODES`, the update pauses the running calls in that mode first and resumes them after
@@ -79,8 +86,15 @@ class InProcessEngineConfig:
     pad_token_id: int = 0
     initial_version: int = 0
     pause_mode: str | None = None
+    router_noise: float = 0.0
+    router_noise_seed: int = 0
 
     def __post_init__(self) -> None:
+        if not (0 <= self.router_noise < float("inf")):
+            raise ValueError(
+                f"InProcessEngineConfig.router_noise={self.router_noise!r}: must be >= 0 "
+                "(0: no noise)"
+            )
         if self.dtype not in ENGINE_DTYPES:
             raise ValueError(
                 f"InProcessEngineConfig.dtype={self.dtype!r}: choose one of {tuple(ENGINE_DTYPES)}"
@@ -119,9 +133,16 @@ class InProcessEngine:
         self.model = model.to(
             device=self.config.device, dtype=ENGINE_DTYPES[self.config.dtype]
         ).eval()
+        self._fp8 = self.config.dtype == "float8"
+        if self._fp8:
+            fp8_weights.quantize_model_(self.model)
         hf = model.config
         self.vocab_size = int(hf.vocab_size)
         self.num_moe_layers = len(moe_gates(self.model))
+        if self.config.router_noise > 0:  # before any RouteCapture: captured routes are noisy
+            self.router_noise = RouterNoise(
+                self.model, self.config.router_noise, self.config.router_noise_seed
+            )
         self.codec = RoutingCodec(
             int(hf.num_experts), int(hf.num_experts_per_tok), self.config.routing_codec
         )
@@ -194,6 +215,8 @@ class InProcessEngine:
         with self._paused_for_update(), self._lock:
             staged = hf_weights.stage_weights(self.model, named_tensors)
             hf_weights.apply_staged(staged)
+            if self._fp8:
+                fp8_weights.quantize_model_(self.model)
             self._version = version
         logger.info("in-process engine: %d tensors loaded, version %d", len(staged), version)
 
@@ -207,6 +230,8 @@ class InProcessEngine:
         with self._lock:
             staged = hf_weights.stage_weights(self.model, named_tensors, check_finite=check_finite)
             hf_weights.apply_staged(staged)
+            if self._fp8:
+                fp8_weights.quantize_model_(self.model)
         return len(staged)
 
     def set_version(self, version: int) -> None:

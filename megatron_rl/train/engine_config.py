@@ -11,6 +11,7 @@ from megatron_rl.routing.codec import CODECS
 ENGINES = ("local", "sglang")
 WEIGHT_SYNC_TRANSPORTS = ("distributed", "tensor", "disk")
 SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")  # /pause_generation's mode
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float8")  # the in-process engine's (float8: FP8 serving)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -24,7 +25,14 @@ class EngineConfig:
         help="local: the in-process engine; sglang: SGLang servers (--sglang-url)",
     )
     rollout_dtype: str = option(
-        "float32", choices=("float32", "bfloat16"), help="the in-process engine's compute dtype"
+        "float32",
+        choices=ROLLOUT_DTYPES,
+        help="the in-process engine's dtype (float8: e4m3 weights, bf16 compute: FP8 serving)",
+    )
+    rollout_router_noise: float = option(
+        0.0,
+        help="in-process engine: Gaussian noise in each router's logits, relative to the "
+        "token's logit spread (0: none); a routing mismatch that persists at trained weights",
     )
     sglang_url: tuple[str, ...] = option(
         (), help="an SGLang worker (repeat for each); control calls and weight sync go to each"
@@ -116,7 +124,13 @@ class EngineConfig:
         check_choice(self, "kind", ENGINES)
         check_choice(self, "weight_sync_transport", WEIGHT_SYNC_TRANSPORTS)
         check_choice(self, "sglang_pause_mode", SGLANG_PAUSE_MODES)
-        check_choice(self, "rollout_dtype", ("float32", "bfloat16"))
+        check_choice(self, "rollout_dtype", ROLLOUT_DTYPES)
+        if not (0 <= self.rollout_router_noise < math.inf):
+            raise bad_value(self, "rollout_router_noise", "must be >= 0 (0: no noise)")
+        if self.rollout_router_noise > 0 and self.kind != "local":
+            raise bad_value(
+                self, "rollout_router_noise", "only the in-process engine (--rollout-engine local)"
+            )
         check_choice(self, "routing_dtype", CODECS)
         check_positive_ints(self, "sglang_engine_ranks", "sglang_min_servers")
         if self.kind == "sglang" and not self.sglang_url:

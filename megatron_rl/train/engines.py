@@ -26,6 +26,8 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
             routing_codec=config.routing_dtype,
             pad_token_id=pad_token_id,
             pause_mode=pause_mode,
+            router_noise=config.rollout_router_noise,
+            router_noise_seed=seed,
         )
         return InProcessEngine.from_hf_config(hf_config, engine_config, seed=seed)
     from megatron_rl.rollout.http_pool import HttpPoolConfig

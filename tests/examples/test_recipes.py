@@ -42,15 +42,18 @@ def test_every_recipe_arm_passes_the_trainer_checks_through_the_launcher(recipe,
     samples = config.rollout.rollout_batch_size * config.rollout.n_samples_per_prompt
     assert config.schedule.global_batch_size == expected.minibatch_samples
     assert samples // config.schedule.global_batch_size == expected.staleness
-    if recipe == "epic-paper":
+    if recipe in ("epic-paper", "study"):  # the study keeps EPIC's protocol and scale
         loss_config = config.objective.loss_config
-        for field, value in EPIC_TABLE_2[arm].items():
+        for field, value in EPIC_TABLE_2.get(arm, {}).items():
             assert getattr(loss_config, field) == value, field
         assert config.rollout.dynamic_sampling and config.rollout.over_sampling_ratio == 0.1
-        assert config.eval.eval_interval == 5 and config.eval.eval_top_p == 0.7
+        assert config.eval.eval_interval == (5 if recipe == "epic-paper" else 10)
+        assert config.eval.eval_top_p == 0.7
         assert config.objective.kl_coef == 1e-3 and config.optimizer.lr_warmup_iters == 10
         assert config.rollout.rollout_batch_size == 64 and config.schedule.train_iters == 300
-        assert config.replay.mode == {"grpo-r2": "r2", "grpo-r3": "r3"}.get(arm, "off")
+        replay = {"grpo-r2": "r2", "grpo-r3": "r3", "grpo-r3rec": "r3"}.get(arm, "off")
+        assert config.replay.mode == replay
+        assert config.replay.record_only == (arm == "grpo-r3rec")
     else:
         assert config.objective.kl_coef == 0.0
         assert config.rollout.rollout_batch_size == 256 and config.schedule.train_iters == 1500

@@ -1,0 +1,83 @@
+"""The study's command end to end: every arm of ``--recipe study`` trains for real (2 seeds, 2
+steps, the router-noise mismatch at staleness 8) and the summary holds every arm's held-out
+metrics. The few-step version of docs/study.md's command; what it proves is the pipeline (real
+trainer runs, resume, summary, curves), not the study's numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.recipes import STUDY
+
+ROOT = Path(__file__).resolve().parents[2]
+SEEDS = 2
+COMMAND = (
+    "tools/compare_runs.py", "--recipe", "study", "--preset", "mismatch-noise",
+    "--staleness", "8", "--seeds", str(SEEDS), "--jobs", "2", "--train-iters", "2",
+    "--rollout-batch-size", "2", "--final-window", "1",
+    "--", "--device", "cpu", "--eval-interval", "2", "--torch-threads", "1",
+)  # fmt: skip
+REPLAYING = {"grpo-r2", "grpo-r3", "grpo-r3rec"}
+
+
+def _table(summary: str) -> dict[str, dict[str, str]]:
+    """The first markdown table of ``summary.md``: arm -> column title -> cell."""
+    lines = summary.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| arm | K |"))
+    titles = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(titles, cells, strict=True))
+    return rows
+
+
+def _number(cell: str) -> float:
+    mean, _, half = cell.partition(" ± ")
+    assert half, cell  # "mean ± half-width"
+    return float(mean)
+
+
+@pytest.mark.slow
+def test_every_study_arm_trains_for_real_and_reports_held_out_metrics(tmp_path):
+    out = tmp_path / "study"
+    command = [sys.executable, COMMAND[0], "--out", str(out), *COMMAND[1:]]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    logs = "\n".join(p.read_text()[-1500:] for p in (out / "logs").glob("*.log"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + logs
+    arms = [f"{arm}-N8" for arm in STUDY.arms]
+    table = _table((out / "summary.md").read_text())
+    assert list(table) == arms
+    for arm in arms:
+        row = table[arm]
+        assert row["K"] == str(SEEDS), row
+        assert 0 <= _number(row["final held-out mean@k"]) <= _number(row["final held-out pass@k"])
+        assert _number(row["final held-out pass@k"]) <= 1
+        assert _number(row["final entropy"]) > 0 and _number(row["peak RSS MiB"]) > 100
+        if arm.removesuffix("-N8") in REPLAYING:
+            assert _number(row["routing bytes / rank"]) > 0, row
+        if arm.removesuffix("-N8") in {"grpo-r3", "grpo-r3rec"}:  # engine routes compared
+            assert 0 < _number(row["agreement behaviour"]) < 1, row  # the noise flips routes
+        for seed in range(1, SEEDS + 1):
+            run_dir = out / arm / f"seed{seed}"
+            flags = json.loads((run_dir / "done.json").read_text())["flags"]
+            assert flags[flags.index("--rollout-router-noise") + 1] == "0.05"
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+            evaluated = [r for r in rows if "eval/mean@8" in r]
+            assert [r["step"] for r in evaluated] == [2], arm
+            assert all(0 <= r["eval/mean@8"] <= r["eval/pass@8"] <= 1 for r in evaluated)
+    differences = (out / "summary.md").read_text().split("Differences from the reference arm")
+    assert len(differences) == 2 and all(f"| {arm} |" in differences[1] for arm in arms[1:])
+    assert (out / "curves.png").stat().st_size > 10_000
+    # the same command again resumes: every run is finished, nothing trains
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-3000:]
+    total = len(arms) * SEEDS
+    assert f"{total} of {total} runs already finished; 0 to run" in again.stdout
