@@ -39,7 +39,16 @@ router logits per token, and bf16's rounding of the hidden state moves them by a
 spacing, so the engine and the trainer pick different top-8 sets on a few percent of
 token-layers, more in deeper layers (see megatron_rl/model/presets.py). The log-prob gap
 (``mismatch/train_rollout_logprob_abs_gap``) then comes from both the bf16 arithmetic and the
-flipped routes. ``--preset none``: the plain tiny model, fp32 on both sides (no mismatch).
+flipped routes. That mismatch fades at trained weights (the router's logits spread out: 1.6%
+of token-layers differ). Two stronger ones: ``--preset mismatch-fp8`` serves FP8 weights
+(``--rollout-dtype float8``; 19% at initialisation, ~1% after 10 steps) and ``--preset
+mismatch-noise`` adds noise to the engine's router (``--rollout-router-noise 0.05``, relative to
+each token's logit spread, on top of bf16: several percent of token-layers keep differing at
+trained weights; see docs/study.md). ``--preset none``: the plain tiny model, fp32 on both sides
+(no mismatch).
+
+The study of docs/study.md is ``--recipe study --preset mismatch-noise --staleness 8 1 --seeds 5
+--train-iters 200`` (tests/tools/test_study_command.py runs it with 2 seeds and 2 steps).
 
 Outputs in ``--out``: ``summary.md`` (per arm: mean +- 95% t-interval over seeds of each metric,
 per-layer behaviour agreement, and every arm's difference from the reference arm with its Welch
