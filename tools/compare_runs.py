@@ -43,8 +43,8 @@ flipped routes. That mismatch fades at trained weights (the router's logits spre
 of token-layers differ). Two stronger ones: ``--preset mismatch-fp8`` serves FP8 weights
 (``--rollout-dtype float8``; 19% at initialisation, ~1% after 10 steps) and ``--preset
 mismatch-noise`` adds noise to the engine's router (``--rollout-router-noise 0.05``, relative to
-each token's logit spread, on top of bf16: several percent of token-layers keep differing at
-trained weights; see docs/study.md). ``--preset none``: the plain tiny model, fp32 on both sides
+each token's logit spread, on top of bf16: a fifth of token-layers keep differing at trained
+weights; see docs/study.md). ``--preset none``: the plain tiny model, fp32 on both sides
 (no mismatch).
 
 The study of docs/study.md is ``--recipe study --preset mismatch-noise --staleness 8 1 --seeds 5
