@@ -507,8 +507,12 @@ def summary(
     return "\n".join(lines) + "\n"
 
 
+BAND_MIN_SEEDS = 3  # below, a t-band (t = 12.7 at K = 2) is wider than the data: seeds drawn
+
+
 def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
-    """Per panel, every arm's per-step mean over seeds with its 95% band (none for K = 1)."""
+    """Per panel, every arm's per-step mean over seeds with its 95% band; with fewer than
+    `BAND_MIN_SEEDS` seeds, each seed's own curve (thin) instead of the band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -524,6 +528,11 @@ def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
                 continue
             color = f"C{index % 10}"  # one colour per arm in every panel
             ax.plot(steps, means, label=name, color=color)
+            if len(runs) < BAND_MIN_SEEDS:
+                for rows in runs:
+                    points = curve(rows, key)
+                    ax.plot(list(points), list(points.values()), color=color, lw=0.6, alpha=0.45)
+                continue
             lows = [m - h if math.isfinite(h) else m for m, h in zip(means, halves, strict=True)]
             highs = [m + h if math.isfinite(h) else m for m, h in zip(means, halves, strict=True)]
             ax.fill_between(steps, lows, highs, color=color, alpha=0.18, linewidth=0)
