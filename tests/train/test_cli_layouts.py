@@ -5,8 +5,8 @@ harness) and checks the exit code and the metrics file: both steps written, fini
 the routing metrics of every MoE layer of the model (global layer numbers) on every layout, so
 a pipeline stage that reports only its own layers fails here. Every arm also evaluates on the
 held-out prompts and every other one refills its batches by dynamic sampling, so their
-collectives run on every layout. The arms cross the layouts with routing replay (r2 / r3 / r3
-record-only; off on the uneven split), sync and async rollouts and the KL term (the full suite,
+collectives run on every layout. The arms cross the layouts with routing replay (r2 / r3; off
+and r3 record-only on the uneven split), sync and async rollouts and the KL term (the full suite,
 `make test`; the fast lane keeps the harness tests of the same layouts).
 """
 
@@ -44,14 +44,15 @@ REPLAYS = {"off": (), "r2": R2, "r3": R3, "r3record": RECORD}
 
 
 def _arms() -> dict[str, tuple[tuple[str, ...], bool]]:
-    """Every layout x every replay mode (without replay: one layout, the uneven split; the other
-    layouts train without replay in the harness tests: pipeline, data-parallel, checkpoints); async
+    """Every layout x r2 and r3; without replay and R3 record-only: one layout, the uneven split
+    (the other layouts train without replay in the harness tests: pipeline, data-parallel,
+    checkpoints; record-only records and compares as r3 does, without replaying); async
     rollouts on every other arm, the KL term on every third; all in the full suite (each starts
     torchrun: too slow for the fast lane)."""
     arms = {}
     for i, (layout, layout_flags) in enumerate(LAYOUTS.items()):
         for j, (replay, replay_flags) in enumerate(REPLAYS.items()):
-            if replay == "off" and layout != "pp2-uneven":
+            if replay in ("off", "r3record") and layout != "pp2-uneven":
                 continue
             use_async, use_kl, use_dynamic = (i + j) % 2 == 1, (i + j) % 3 == 0, j % 2 == 1
             extra = (ASYNC if use_async else ()) + (KL if use_kl else ()) + EVAL
