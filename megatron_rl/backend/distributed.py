@@ -18,6 +18,11 @@ from megatron_rl.parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
+_GROUPS_MEGATRON_LEAVES_SET = (
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+)
+
 
 def init_distributed(
     parallel: ParallelConfig,
@@ -68,9 +73,24 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    """Tear down megatron's parallel groups and the default process group (idempotent)."""
+    """Tear down megatron's parallel groups and the default process group (idempotent).
+
+    The models wrapped for training are released too (`release_wrapped_models`), so that they
+    and the groups they hold are freed. Two more holders in megatron 0.16 are emptied: its
+    ``destroy_model_parallel`` leaves ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP[_GLOO]`` set,
+    and ``RotaryEmbedding.forward``'s class-wide ``lru_cache`` keeps its last 32 callers (each
+    holding its context-parallel group).
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_rl.backend.optimizer import release_wrapped_models
+
+    release_wrapped_models()
+    RotaryEmbedding.forward.cache_clear()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for name in _GROUPS_MEGATRON_LEAVES_SET:
+        setattr(parallel_state, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
 
