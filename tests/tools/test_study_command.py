@@ -1,7 +1,10 @@
-"""The study's command end to end: every arm of ``--recipe study`` trains for real (2 seeds, 2
-steps, the router-noise mismatch at staleness 8) and the summary holds every arm's held-out
-metrics. The few-step version of docs/study.md's command; what it proves is the pipeline (real
-trainer runs, resume, summary, curves), not the study's numbers."""
+"""The study's command end to end: five arms of ``--recipe study``, one of each kind of run (the
+reference GRPO, an EPIC variant, R2, R3 and R3 record-only), train for real (2 seeds, 2 steps, the
+router-noise mismatch at staleness 8) and the summary holds their held-out metrics. The few-step
+version of docs/study.md's command; what it proves is the pipeline (real trainer runs, resume,
+summary, curves), not the study's numbers. Every one of the 12 arms' command lines passes the
+trainer's parser in `test_every_study_arm_command_line_passes_the_trainer_parser`: the other
+seven differ from these five in loss settings only (tests/losses)."""
 
 from __future__ import annotations
 
@@ -11,13 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_compare_runs import compare_runs
 
 from megatron_rl.recipes import STUDY
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = 2
+ARMS = ("grpo", "epic", "grpo-r2", "grpo-r3", "grpo-r3rec")
 COMMAND = (
-    "tools/compare_runs.py", "--recipe", "study", "--preset", "mismatch-noise",
+    "tools/compare_runs.py", "--recipe", "study", "--losses", *ARMS, "--preset", "mismatch-noise",
     "--staleness", "8", "--seeds", str(SEEDS), "--jobs", "2", "--train-iters", "2",
     "--rollout-batch-size", "2", "--final-window", "1",
     "--", "--device", "cpu", "--eval-interval", "2", "--torch-threads", "1",
@@ -45,14 +50,31 @@ def _number(cell: str) -> float:
     return float(mean)
 
 
+def test_every_study_arm_command_line_passes_the_trainer_parser():
+    from megatron_rl.train.config import parse_args
+
+    args = compare_runs.parse_args(list(COMMAND[1:]))
+    assert args.losses == list(ARMS) and set(ARMS) < set(STUDY.arms)
+    args.losses = None  # all 12 arms
+    arms, _ = compare_runs.build_grid(args)
+    assert [arm.name for arm in arms] == [f"{arm}-N8" for arm in STUDY.arms]
+    for arm in arms:
+        config = parse_args([*compare_runs.arm_flags(arm, args), *args.extra])
+        assert config.objective.loss == STUDY.arms[arm.loss][1], arm.name
+        assert config.engine.rollout_router_noise == 0.05 and config.updates_per_rollout == 8
+        assert config.replay.mode == {"grpo-r2": "r2"}.get(
+            arm.loss, "r3" if "r3" in arm.loss else "off"
+        )
+
+
 @pytest.mark.slow
-def test_every_study_arm_trains_for_real_and_reports_held_out_metrics(tmp_path):
+def test_five_study_arms_train_for_real_and_reports_held_out_metrics(tmp_path):
     out = tmp_path / "study"
     command = [sys.executable, COMMAND[0], "--out", str(out), *COMMAND[1:]]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     logs = "\n".join(p.read_text()[-1500:] for p in (out / "logs").glob("*.log"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + logs
-    arms = [f"{arm}-N8" for arm in STUDY.arms]
+    arms = [f"{arm}-N8" for arm in ARMS]
     table = _table((out / "summary.md").read_text())
     assert list(table) == arms
     for arm in arms:
