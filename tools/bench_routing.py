@@ -32,9 +32,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import ctypes
+import json
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -364,6 +366,9 @@ def memory_table(results: dict[tuple[str, int], dict], samples_per_rank: int, le
 def main() -> None:
     parser = argparse.ArgumentParser(description="Routing-replay benchmark.")
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
+    parser.add_argument(
+        "--memory-json", type=Path, help="also write the memory arms' per-rank results here"
+    )
     args = parser.parse_args()
     console = Console(width=160)
     console.print(bench_codecs(20_000 if args.quick else 2_000_000))
@@ -373,6 +378,8 @@ def main() -> None:
     console.print(step_time_table(times, batch, seq))
     samples, length = (64, 128) if args.quick else (1024, 1024)
     results = measure_memory(samples, length)
+    if args.memory_json:
+        args.memory_json.write_text(json.dumps(list(results.values()), indent=1))
     console.print(memory_table(results, samples, length))
     ok, lines = memory_verdict(results)
     for line in lines:

@@ -1,9 +1,10 @@
 """The routing benchmark runs end to end (quick sizes) and reports every measurement; its R3
-memory measurement tells a rank holding its own shard from one holding the whole batch."""
+memory measurement (read back from ``--memory-json``) tells a rank holding its own shard from one
+holding the whole batch."""
 
 from __future__ import annotations
 
-import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_bench_routing_quick_reports_codecs_step_time_and_memory():
+def test_bench_routing_quick_reports_codecs_step_time_and_memory_arms_told_apart(tmp_path):
+    memory_json = tmp_path / "memory.json"
     result = subprocess.run(
-        [sys.executable, "tools/bench_routing.py", "--quick"],
+        [sys.executable, "tools/bench_routing.py", "--quick", "--memory-json", str(memory_json)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -37,16 +39,15 @@ def test_bench_routing_quick_reports_codecs_step_time_and_memory():
         "claim",
     ):
         assert expected in out, expected
+    assert "claim (rank holds its own shard, never the whole batch): PASS" in out
+    _check_memory_arms(json.loads(memory_json.read_text()))
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_r3_memory_arms_are_told_apart(monkeypatch):
-    """Bytes in use: own shard (+ one decoded micro-batch) < 0.75 x whole batch, on each rank."""
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    bench = importlib.import_module("bench_routing")
+def _check_memory_arms(rows: list[dict]) -> None:
+    """Bytes in use: own shard (+ one decoded micro-batch) < 0.75 x whole batch, on each rank
+    (the quick sizes: 64 samples per rank x 128 tokens)."""
+    results = {(row["arm"], row["rank"]): row for row in rows}
     samples, length = 64, 128
-    results = bench.measure_memory(samples, length)
     for rank in range(2):
         none = results[("no replay", rank)]
         own = results[("R3 own shard", rank)]
@@ -60,4 +61,3 @@ def test_r3_memory_arms_are_told_apart(monkeypatch):
         assert own["own"] <= own["peak_delta"] <= 1.2 * (own["own"] + own["decoded"])
         assert own["peak_delta"] < 0.75 * whole["peak_delta"]
         assert whole["state_delta"] >= whole["held"]
-    assert bench.memory_verdict(results)[0]
