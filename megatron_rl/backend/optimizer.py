@@ -91,8 +91,8 @@ def wrap_for_training(
     return wrapped
 
 
-def release_wrapped_models() -> int:
-    """Break the reference cycles that keep every wrapped model alive; returns how many.
+def release_wrapped_models() -> None:
+    """Break the reference cycles that keep every wrapped model alive.
 
     megatron-core's DDP hooks each parameter's gradient accumulator with a closure holding the
     DDP, and the model keeps the last forward's autograd graph (e.g. the MoE token dispatcher's
@@ -104,13 +104,11 @@ def release_wrapped_models() -> int:
     longer reach the buffers. Call this only when the models are done with
     (`destroy_distributed` does).
     """
-    released = list(_WRAPPED)
-    for model in released:
+    for model in list(_WRAPPED):
         model.grad_accs.clear()
         for module in model.modules():
             _drop_autograd_graphs(module)
     _WRAPPED.clear()
-    return len(released)
 
 
 def _drop_autograd_graphs(module: torch.nn.Module) -> None:

@@ -27,7 +27,7 @@ COMMAND = (
     "--rollout-batch-size", "2", "--final-window", "1",
     "--", "--device", "cpu", "--eval-interval", "2", "--torch-threads", "1",
 )  # fmt: skip
-REPLAYING = {"grpo-r2", "grpo-r3", "grpo-r3rec"}
+REPLAY_MODES = {"grpo-r2": "r2", "grpo-r3": "r3", "grpo-r3rec": "r3"}  # the others: "off"
 
 
 def _table(summary: str) -> dict[str, dict[str, str]]:
@@ -62,9 +62,7 @@ def test_every_study_arm_command_line_passes_the_trainer_parser():
         config = parse_args([*compare_runs.arm_flags(arm, args), *args.extra])
         assert config.objective.loss == STUDY.arms[arm.loss][1], arm.name
         assert config.engine.rollout_router_noise == 0.05 and config.updates_per_rollout == 8
-        assert config.replay.mode == {"grpo-r2": "r2"}.get(
-            arm.loss, "r3" if "r3" in arm.loss else "off"
-        )
+        assert config.replay.mode == REPLAY_MODES.get(arm.loss, "off")
 
 
 @pytest.mark.slow
@@ -83,7 +81,7 @@ def test_five_study_arms_train_for_real_and_reports_held_out_metrics(tmp_path):
         assert 0 <= _number(row["final held-out mean@k"]) <= _number(row["final held-out pass@k"])
         assert _number(row["final held-out pass@k"]) <= 1
         assert _number(row["final entropy"]) > 0 and _number(row["peak RSS MiB"]) > 100
-        if arm.removesuffix("-N8") in REPLAYING:
+        if arm.removesuffix("-N8") in REPLAY_MODES:
             assert _number(row["routing bytes / rank"]) > 0, row
         if arm.removesuffix("-N8") in {"grpo-r3", "grpo-r3rec"}:  # engine routes compared
             assert 0 < _number(row["agreement behaviour"]) < 1, row  # the noise flips routes
