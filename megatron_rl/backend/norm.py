@@ -48,7 +48,7 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def swap_norm_in_spec(spec: Any, old: type, new: type) -> Any:
+def swap_module_in_spec(spec: Any, old: type, new: type) -> Any:
     """Replace every occurrence of the class ``old`` in a (nested) megatron spec by ``new``.
 
     Walks ``ModuleSpec`` objects, their ``submodules`` dataclasses, lists and tuples in place and
@@ -60,14 +60,14 @@ def swap_norm_in_spec(spec: Any, old: type, new: type) -> Any:
         if spec.module is old:
             spec.module = new
         if spec.submodules is not None:
-            spec.submodules = swap_norm_in_spec(spec.submodules, old, new)
+            spec.submodules = swap_module_in_spec(spec.submodules, old, new)
         return spec
     if isinstance(spec, list):
-        return [swap_norm_in_spec(item, old, new) for item in spec]
+        return [swap_module_in_spec(item, old, new) for item in spec]
     if isinstance(spec, tuple):
-        return tuple(swap_norm_in_spec(item, old, new) for item in spec)
+        return tuple(swap_module_in_spec(item, old, new) for item in spec)
     if hasattr(spec, "__dataclass_fields__"):
         for field_name in spec.__dataclass_fields__:
             value = getattr(spec, field_name)
-            setattr(spec, field_name, swap_norm_in_spec(value, old, new))
+            setattr(spec, field_name, swap_module_in_spec(value, old, new))
     return spec

@@ -5,6 +5,10 @@ local spec is asked for), the local (megatron-core only) spec on CPU. With TE, m
 fusions are on (rope, MoE permute, gradient-accumulation into ``main_grad``). Both specs hold the
 same weights; `conversion.names` maps either set of parameter names to the HF names.
 
+Experts: grouped GEMMs unless ``ModelOptions.moe_grouped_gemm`` is off: Transformer Engine's
+``TEGroupedMLP`` with TE, `TorchGroupedMLP` (torch's grouped matmul, weights stacked per layer)
+on the local spec; off, megatron's ``SequentialMLP`` (one MLP per expert, a Python loop).
+
 Placement: megatron's layers allocate on ``torch.cuda.current_device()``, but the local spec's
 norms (``torch.nn.RMSNorm``) allocate on the CPU; megatron's own ``get_model`` moves the whole
 module with ``.cuda()``, and so does `build_model`, which then checks that every parameter and
@@ -15,19 +19,22 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from transformers import Qwen3MoeConfig
 
 from megatron_rl.backend import cuda_available
-from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_norm_in_spec
+from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_module_in_spec
 from megatron_rl.backend.without_te import define_missing_te_symbols
 from megatron_rl.model.config import ModelOptions, rope_theta, to_transformer_config
+from megatron_rl.model.grouped_experts import TorchGroupedMLP
 from megatron_rl.model.presets import load_hf_config
 
 logger = logging.getLogger(__name__)
@@ -95,12 +102,15 @@ def build_model(
     if hf_config.num_experts % ep:
         raise ValueError(f"num_experts={hf_config.num_experts} is not divisible by EP={ep}")
     config = to_transformer_config(hf_config, options, use_te=use_te)
-    block_spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_te, normalization="RMSNorm"
-    )
+    with warnings.catch_warnings():  # "legacy GroupedMLP will be deprecated": it is replaced
+        warnings.filterwarnings("ignore", message="The legacy GroupedMLP")
+        block_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization="RMSNorm"
+        )
     if not use_te:
         define_missing_te_symbols()
-        block_spec = swap_norm_in_spec(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+        block_spec = swap_module_in_spec(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
+        block_spec = swap_module_in_spec(block_spec, GroupedMLP, TorchGroupedMLP)
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec,

@@ -144,7 +144,9 @@ def to_transformer_config(
         moe_aux_loss_coeff=options.aux_loss_coeff,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=options.token_dispatcher,
-        moe_grouped_gemm=use_te,
+        # grouped experts: TEGroupedMLP with TE; without it the spec's legacy GroupedMLP, which
+        # the builder replaces by TorchGroupedMLP (megatron_rl/model/grouped_experts.py)
+        moe_grouped_gemm=options.moe_grouped_gemm and has_moe,
         moe_shared_expert_intermediate_size=shared,
         moe_shared_expert_gate=shared is not None,
         moe_enable_routing_replay=options.routing_replay,

@@ -42,6 +42,13 @@ class ModelOptions:
         help="full: recompute every layer's activations in the backward (megatron's 'full')",
     )
     token_dispatcher: str = "alltoall"
+    moe_grouped_gemm: bool = option(
+        True,
+        name="no-moe-grouped-gemm",
+        help="run the experts one by one (megatron's SequentialMLP) instead of grouped GEMMs "
+        "(Transformer Engine's TEGroupedMLP, or megatron_rl's TorchGroupedMLP on torch's "
+        "grouped matmul without TE)",
+    )
     spec: str = option(
         "auto",
         name="transformer-impl",

@@ -29,12 +29,17 @@ def make_layout(world_size: int | None = None, **sizes) -> Layout:
 
 def tiny_model(name: str, dtype: str, distributed: bool, **overrides):
     """The tiny model in megatron DDP, with the distributed optimizer's buffers if asked (and if
-    this checkout's `wrap_for_training` lets the caller choose)."""
+    this checkout's `wrap_for_training` lets the caller choose). Its experts are one parameter
+    per expert and projection, as Transformer Engine's grouped experts hold them on the GPUs the
+    plan is for (the CPU's grouped experts stack each layer's experts in two tensors)."""
     from megatron_rl.backend.optimizer import wrap_for_training
     from megatron_rl.model import ModelOptions, build_model, preset_config
 
     config = preset_config(name, **overrides)
-    model = build_model(config, ModelOptions(dtype=dtype), spec="local")
+    options = ModelOptions(dtype=dtype)
+    if hasattr(options, "moe_grouped_gemm"):  # older checkouts (--old-tree) lack the choice
+        options.moe_grouped_gemm = False
+    model = build_model(config, options, spec="local")
     if "use_distributed_optimizer" in inspect.signature(wrap_for_training).parameters:
         return config, wrap_for_training(model, use_distributed_optimizer=distributed)
     return config, wrap_for_training(model)

@@ -43,9 +43,12 @@ def canonical(model, hf_config) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in iter_canonical_tensors(model.module, hf_config)}
 
 
-def reshard_worker(rank, world_size, init_method, tmp_dir, phase, parallel_kwargs, fmt) -> None:
+def reshard_worker(
+    rank, world_size, init_method, tmp_dir, phase, parallel_kwargs, fmt, grouped=True
+) -> None:
     """``phase`` "save": 2 updates, save step 2, 1 more update. Any other phase: load, 1 update
-    (and with ``phase`` ending in "_control", a second load whose Adam moments are zeroed)."""
+    (and with ``phase`` ending in "_control", a second load whose Adam moments are zeroed).
+    ``grouped``: the model's experts are grouped (else megatron's SequentialMLP)."""
     from train_state_testing import build_tiny
 
     from megatron_rl.backend import ParallelConfig, init_distributed
@@ -60,7 +63,9 @@ def reshard_worker(rank, world_size, init_method, tmp_dir, phase, parallel_kwarg
         device="cpu",
     )
     # no clipping: a TP2 expert-gradient difference (see the tests) would rescale every update
-    hf_config, model, optimizer = build_tiny(seed=11 if phase == "save" else 99, clip_grad=0.0)
+    hf_config, model, optimizer = build_tiny(
+        seed=11 if phase == "save" else 99, clip_grad=0.0, grouped=grouped
+    )
     vocab = hf_config.vocab_size
     save_dir = os.path.join(tmp_dir, "..", "ckpt")
     result: dict = {}

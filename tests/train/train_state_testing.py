@@ -26,14 +26,15 @@ def linear_with_adam_state(seed: int):
     return model, optimizer
 
 
-def build_tiny(seed: int, clip_grad: float = 1.0):
-    """(hf_config, DDP-wrapped tiny megatron model, megatron optimizer); groups initialised."""
+def build_tiny(seed: int, clip_grad: float = 1.0, grouped: bool = True):
+    """(hf_config, DDP-wrapped tiny megatron model, megatron optimizer); groups initialised.
+    ``grouped``: grouped experts (the default), else megatron's SequentialMLP."""
     from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
-    from megatron_rl.model import build_model, preset_config
+    from megatron_rl.model import ModelOptions, build_model, preset_config
 
     torch.manual_seed(seed)
     config = preset_config("tiny")
-    model = wrap_for_training(build_model(config))
+    model = wrap_for_training(build_model(config, ModelOptions(moe_grouped_gemm=grouped)))
     optimizer = build_optimizer(model, OptimizerConfig(lr=3e-3, clip_grad=clip_grad))
     return config, model, optimizer
 

@@ -23,6 +23,7 @@ from transformers import Qwen3MoeConfig
 
 from megatron_rl.atomic_io import atomic_write_text
 from megatron_rl.collectives import any_rank, broadcast_object, group_device
+from megatron_rl.model.conversion.load import weight_entries
 from megatron_rl.model.conversion.names import rank_tensor_maps
 from megatron_rl.model.conversion.safetensors_io import write_checkpoint
 from megatron_rl.model.conversion.sharding import (
@@ -46,7 +47,7 @@ def _iter_full(
     """(TensorMap, full canonical tensor) for every tensor of this rank's pipeline stage (only
     the experts' with ``experts=True``, only the others' with False)."""
     rank = model_rank_layout(model)
-    params = model.state_dict(keep_vars=True)
+    params = weight_entries(model)
     num_local_experts = cfg.num_experts // rank.ep_size
     for tmap in rank_tensor_maps(cfg, model_layout_name(model), rank):
         if experts is not None and (tmap.local_expert is not None) != experts:

@@ -79,16 +79,27 @@ EXTRA_STATE_SUFFIX = "._extra_state"
 
 
 def weight_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state-dict tensors that hold weights.
+    """The model's state-dict tensors that hold weights, by the names `rank_tensor_maps` uses.
 
     Transformer Engine modules add ``<module>._extra_state`` entries (their FP8 scaling metadata,
-    a serialised blob): they have no HF name and are not weights, so they are left out.
+    a serialised blob): they have no HF name and are not weights, so they are left out. Grouped
+    experts (`TorchGroupedMLP`) hold each layer's experts in two stacked tensors; they appear as
+    one view per expert and projection (`expert_weight_views`), so conversion and weight sync see
+    the per-expert tensors every other layout has.
     """
-    return {
+    from megatron_rl.model.grouped_experts import TorchGroupedMLP, expert_weight_views
+
+    entries = {
         name: value
         for name, value in model.state_dict(keep_vars=True).items()
         if torch.is_tensor(value) and not name.endswith(EXTRA_STATE_SUFFIX)
     }
+    for prefix, module in model.named_modules():
+        if isinstance(module, TorchGroupedMLP):
+            dotted = f"{prefix}." if prefix else ""
+            del entries[f"{dotted}weight1"], entries[f"{dotted}weight2"]
+            entries.update(expert_weight_views(module, dotted))
+    return entries
 
 
 def load_checkpoint(

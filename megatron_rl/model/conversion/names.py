@@ -8,7 +8,10 @@ Three name spaces:
   also the format of a megatron_rl Megatron checkpoint, so one checkpoint loads into either spec
   and any TP/EP layout.
 - param: the name in one rank's ``model.state_dict()``, local or Transformer Engine spec, local
-  layer and expert index.
+  layer and expert index. Layout "local_grouped" is the local spec with grouped experts
+  (`megatron_rl.model.grouped_experts`): its stacked expert weights appear as per-expert views
+  under Transformer Engine's per-expert names (``mlp.experts.linear_fc1.weight{j}``), see
+  `megatron_rl.model.conversion.load.weight_entries`.
 
 A `TensorMap` ties the three together for one rank-local parameter. ``kind`` says how HF tensors
 fuse into the canonical one: "plain" (1:1), "qkv" (q, k, v interleaved per query group) or "glu"
@@ -24,7 +27,7 @@ from transformers import Qwen3MoeConfig
 from megatron_rl.model.config import shared_expert_size
 from megatron_rl.moe_layers import moe_layer_pattern
 
-LAYOUTS = ("local", "te")
+LAYOUTS = ("local", "local_grouped", "te")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,6 +70,7 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
     """Maps of global layer ``i`` held as local layer ``li``."""
     hp, cp, m = f"model.layers.{i}.", f"decoder.layers.{i}.", f"decoder.layers.{li}."
     te = layout == "te"
+    per_expert_names = layout in ("te", "local_grouped")
     sparse = moe_layer_pattern(cfg)[i] == 1
     maps = [
         TensorMap(
@@ -139,7 +143,7 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
         ):
             param = m + (
                 f"mlp.experts.{fc}.weight{j}"
-                if te
+                if per_expert_names
                 else f"mlp.experts.local_experts.{j}.{fc}.weight"
             )
             maps.append(

@@ -11,9 +11,14 @@ from megatron_rl.model.conversion.names import RankLayout
 
 
 def model_layout_name(model: torch.nn.Module) -> str:
-    """ "te" if the model uses Transformer Engine layer names (fused norms), else "local"."""
-    fused = any(k.endswith("layer_norm_weight") for k in model.state_dict())
-    return "te" if fused else "local"
+    """ "te" if the model uses Transformer Engine layer names (fused norms), "local_grouped" for
+    the local spec with grouped experts (`TorchGroupedMLP`), else "local"."""
+    from megatron_rl.model.grouped_experts import TorchGroupedMLP
+
+    if any(k.endswith("layer_norm_weight") for k in model.state_dict()):
+        return "te"
+    grouped = any(isinstance(m, TorchGroupedMLP) for m in model.modules())
+    return "local_grouped" if grouped else "local"
 
 
 def model_rank_layout(model: torch.nn.Module) -> RankLayout:
