@@ -91,10 +91,11 @@ class TorchGroupedMLP(MegatronModule):
         fc1 = 2 * ffn if config.gated_linear_unit else ffn
         self.weight1 = self._new_weight((num_local_experts, fc1, config.hidden_size), 1)
         self.weight2 = self._new_weight((num_local_experts, config.hidden_size, ffn), 2)
-        if config.perform_initialization:
+        if config.perform_initialization:  # SequentialMLP's draws, in its order: same weights
             with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                config.init_method(self.weight1)
-                config.output_layer_init_method(self.weight2)
+                for j in range(num_local_experts):
+                    config.init_method(self.weight1.data[j])
+                    config.output_layer_init_method(self.weight2.data[j])
         self.register_load_state_dict_post_hook(_ignore_extra_states)
 
     def _new_weight(self, shape: tuple[int, ...], partition_dim: int) -> torch.nn.Parameter:

@@ -98,3 +98,21 @@ def test_grouped_experts_without_tokens_keep_their_weights_in_the_graph(ws1):
     assert out.shape == (0, config.hidden_size)
     assert torch.count_nonzero(experts.weight1.grad) == 0
     assert experts.weight2.grad is not None
+
+
+def _seeded_model(config, grouped: bool):
+    """A model built right after megatron's seeding (as `init_distributed` seeds)."""
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    return build_model(config, ModelOptions(moe_grouped_gemm=grouped))
+
+
+def test_grouped_experts_initialise_the_weights_sequential_experts_get(ws1):
+    config = tiny_config()
+    exported_g = dict(iter_hf_tensors(_seeded_model(config, True), config))
+    exported_s = dict(iter_hf_tensors(_seeded_model(config, False), config))
+    assert exported_g.keys() == exported_s.keys()
+    for name, tensor in exported_s.items():
+        assert torch.equal(exported_g[name], tensor), name
