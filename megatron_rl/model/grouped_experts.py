@@ -89,6 +89,7 @@ class TorchGroupedMLP(MegatronModule):
         self.dp_group = pg_collection.expt_dp
         ffn = divide(config.moe_ffn_hidden_size, self.tp_group.size())
         fc1 = 2 * ffn if config.gated_linear_unit else ffn
+        _check_alignment(config, ffn)
         self.weight1 = self._new_weight((num_local_experts, fc1, config.hidden_size), 1)
         self.weight2 = self._new_weight((num_local_experts, config.hidden_size, ffn), 2)
         if config.perform_initialization:  # SequentialMLP's draws, in its order: same weights
@@ -202,6 +203,19 @@ class TorchGroupedMLP(MegatronModule):
                     (0, tp_rank, self.dp_group.rank()),
                 )
         return out
+
+
+def _check_alignment(config: TransformerConfig, ffn: int) -> None:
+    """``torch._grouped_mm`` needs every row stride to be a multiple of 16 bytes (CPU and CUDA
+    kernels alike): the hidden size and this rank's expert FFN width, in the parameter dtype."""
+    itemsize = torch.empty((), dtype=config.params_dtype).element_size()
+    for name, size in (("hidden_size", config.hidden_size), ("moe_ffn_hidden_size / etp", ffn)):
+        if size * itemsize % 16:
+            raise ValueError(
+                f"grouped experts: {name} = {size} gives rows of {size * itemsize} bytes, and "
+                "torch's grouped matmul needs multiples of 16 bytes; choose sizes that are, or "
+                "run the experts one by one (--no-moe-grouped-gemm)"
+            )
 
 
 def _ignore_extra_states(module: torch.nn.Module, incompatible_keys) -> None:

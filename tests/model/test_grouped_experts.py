@@ -116,3 +116,10 @@ def test_grouped_experts_initialise_the_weights_sequential_experts_get(ws1):
     assert exported_g.keys() == exported_s.keys()
     for name, tensor in exported_s.items():
         assert torch.equal(exported_g[name], tensor), name
+
+
+def test_grouped_experts_refuse_rows_torch_cannot_group_and_name_the_fix(ws1):
+    config = tiny_config(moe_intermediate_size=6)  # 24-byte fp32 rows
+    with pytest.raises(ValueError, match=r"16 bytes.*--no-moe-grouped-gemm"):
+        build_model(config, ModelOptions(moe_grouped_gemm=True))
+    build_model(config, ModelOptions(moe_grouped_gemm=False))  # the loop takes any width
