@@ -17,6 +17,10 @@ Pipeline schedules run many micro-batches' forwards and backwards interleaved (1
 spans the whole schedule instead: `ReplayPasses.schedule` opens it, and megatron's
 ``forward_step_func`` calls `before_forward` / `after_forward` around each micro-batch's forward
 on this stage (its local MoE layers only).
+
+A behaviour pass may run several micro-batches as one merged forward
+(`megatron_rl.train.merged_pass`): R3 then replays their routes concatenated, and R2's recording
+of the merged forward is split into each micro-batch's own (`ReplayPasses.split_recording`).
 """
 
 from __future__ import annotations
@@ -75,6 +79,32 @@ class ReplayPasses:
     def update(self, key: Hashable, batch: RoutedMicroBatch) -> ContextManager[None]:
         """Around an update's forward *and* backward of micro-batch ``key``: R2/R3 replay."""
         return self._replay(key, batch, "update")
+
+    def can_merge_behaviour(self) -> bool:
+        """Whether the behaviour pass may run several micro-batches as one merged forward
+        (`megatron_rl.train.merged_pass`). Not under R2 with sequence parallelism over TP > 1:
+        a rank then records a slice of the merged ``[S, B]`` sequence axis, which does not hold
+        the slice of a narrower micro-batch's own forward that its updates replay."""
+        scattered = self.layout.sequence_parallel and self.layout.tp_size > 1
+        return not (self.mode == "r2" and scattered)
+
+    def split_recording(
+        self, key: Hashable, num_rows: int, parts: Sequence[tuple[Hashable, int, int, int]]
+    ) -> None:
+        """R2: the recording of the merged forward ``key`` (``num_rows`` rows ``B``, a full
+        sequence axis on this rank) becomes one recording per part ``(part_key, first_row,
+        rows, width)``: the router rows ``s * B + first_row + b`` for ``s < width``,
+        ``b < rows``, in that order (``[s, b]``), i.e. exactly the rows the part's own
+        ``[rows, width]`` forward records. A no-op in the other modes."""
+        if self.mode != "r2":
+            return
+        if not self.can_merge_behaviour():
+            raise RuntimeError("R2 recordings of merged forwards cannot be split under SP")
+        split = []
+        for part_key, first_row, rows, width in parts:
+            positions = torch.arange(width, dtype=torch.int64)[:, None] * num_rows
+            split.append((part_key, (positions + first_row + torch.arange(rows)).reshape(-1)))
+        self.driver.split_recorded(key, split)
 
     def _replay(self, key: Hashable, batch: RoutedMicroBatch, phase: str) -> ContextManager[None]:
         if self.mode == "off":

@@ -254,6 +254,19 @@ class RoutingReplay:
         """Store the routing the record pass just ran (one micro-batch) under ``key`` (R2)."""
         self._recorded[key] = self.codec.encode(self.pop_recorded())
 
+    def split_recorded(self, key: Hashable, parts: Sequence[tuple[Hashable, torch.Tensor]]) -> None:
+        """Replace the recording under ``key`` by one per ``(part_key, rows)``: its rows
+        ``rows`` (int64 ``[n]``, indices into the recording's rows, in the order given). A
+        merged forward's recording becomes the recordings its micro-batches' own forwards
+        would have kept (see `megatron_rl.train.merged_pass`)."""
+        if key not in self._recorded:
+            raise RuntimeError(f"no routes were recorded under key {key!r} in this step")
+        decoded = self.codec.decode(self._recorded.pop(key))  # [rows, local_layers, K]
+        for part_key, rows in parts:
+            if part_key in self._recorded:
+                raise RuntimeError(f"routes are already recorded under key {part_key!r}")
+            self._recorded[part_key] = self.codec.encode(decoded[rows].contiguous())
+
     def recorded_routes(self, key: Hashable) -> list[torch.Tensor]:
         """Per local MoE layer ``[rows, K]``: the routes recorded under ``key`` in this step."""
         if key not in self._recorded:

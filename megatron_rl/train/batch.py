@@ -138,6 +138,35 @@ def make_micro_batch(
     )
 
 
+def merge_micro_batches(parts: Sequence[MicroBatch], pad_id: int = 0) -> MicroBatch:
+    """``parts`` stacked row-wise into one ``[sum b, max s]`` micro-batch, rows in part order.
+
+    Each part is padded on the right to the widest part's ``s``: tokens with ``pad_id``, the
+    per-token fields with their padding values (loss mask False, log-probs 0, versions
+    ``NO_VERSION``). Part ``p``'s rows are ``[r_p, r_p + b_p)`` with ``r_p = sum_{q < p} b_q``
+    and its tensors are the merged ones' ``[r_p : r_p + b_p, : s_p]`` (``: s_p - 1`` per token).
+    Widths stay multiples of whatever every part's width is a multiple of.
+    """
+    if not parts:
+        raise ValueError("merge_micro_batches needs at least one micro-batch")
+    width = max(mb.tokens_BS.shape[1] for mb in parts)
+
+    def cat(field: str, value, columns: int) -> torch.Tensor:
+        tensors = [getattr(mb, field) for mb in parts]
+        pad = torch.nn.functional.pad
+        return torch.cat([pad(t, (0, columns - t.shape[1]), value=value) for t in tensors])
+
+    return MicroBatch(
+        tokens_BS=cat("tokens_BS", pad_id, width),
+        loss_mask_BT=cat("loss_mask_BT", False, width - 1),
+        rollout_logprobs_BT=cat("rollout_logprobs_BT", 0.0, width - 1),
+        token_versions_BT=cat("token_versions_BT", NO_VERSION, width - 1),
+        advantages_B=torch.cat([mb.advantages_B for mb in parts]),
+        lengths=[n for mb in parts for n in mb.lengths],
+        samples=[s for mb in parts for s in mb.samples],
+    )
+
+
 def split(items: Sequence, size: int) -> list[list]:
     """Consecutive chunks of ``size`` (the last one may be shorter)."""
     if size < 1:

@@ -4,7 +4,9 @@ A pass runs ``micro_batches`` through the model, forward only (the old-logprob p
 and backward (an update). ``on_logits(i, logits)`` runs where the logits are, the last pipeline
 stage, and returns micro-batch ``i``'s loss (``None``: no backward for it, forward-only passes
 return ``None`` always). Routing replay is told about each micro-batch's forward through
-`ReplayPasses`.
+`ReplayPasses`. The forward-only passes (old-logprob, KL reference) reach it through
+`megatron_rl.train.merged_pass.forward_only_pass`, which first merges micro-batches into fewer
+forwards and splits the outputs back.
 
 * One stage (PP = 1): a plain loop, forward then backward per micro-batch, the gradient
   reduction deferred to the last micro-batch (``model.no_sync``).

@@ -8,7 +8,8 @@ counts it). With ``offload`` (the default) its weights stay in host memory and v
 device only for the duration of its own pass (`ReferencePolicy.resident`), so the update
 passes, which hold gradients, optimizer state and activations, never see them. On a CPU-only run
 both places are the CPU and nothing moves. The pass runs like the policy's old-logprob pass
-(`megatron_rl.train.pipeline.run_pass`: one stage, or megatron's pipeline schedule).
+(`megatron_rl.train.merged_pass.forward_only_pass`: micro-batches merged into forwards of at most
+``max_tokens`` padded tokens, on one stage or through megatron's pipeline schedule).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from megatron_rl.routing.passes import ReplayPasses
 from megatron_rl.train.batch import MicroBatch
 from megatron_rl.train.logprobs import token_logprobs
-from megatron_rl.train.pipeline import run_pass
+from megatron_rl.train.merged_pass import forward_only_pass
 
 FREE_ROUTING = ReplayPasses()  # the reference routes freely
 
@@ -53,10 +54,16 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def logprobs(
-        self, micro_batches: list[MicroBatch], temperature: float
+        self,
+        micro_batches: list[MicroBatch],
+        temperature: float,
+        *,
+        max_tokens: int = 0,
+        group=None,
     ) -> list[torch.Tensor | None]:
         """Per micro-batch ``[b, s - 1]`` ``log pi_ref`` of ``tokens[:, 1:]`` (see
-        `token_logprobs`), on the last pipeline stage (None on the others)."""
+        `token_logprobs`), on the last pipeline stage (None on the others). ``max_tokens`` and
+        ``group``: see `forward_only_pass` (0: one forward per micro-batch)."""
         if not self._resident:
             raise RuntimeError("the reference weights are offloaded: use `with resident():`")
         refs: list[torch.Tensor | None] = [None] * len(micro_batches)
@@ -65,5 +72,13 @@ class ReferencePolicy:
             refs[k] = token_logprobs(logits, micro_batches[k].tokens_BS, temperature)
 
         keys = list(range(len(micro_batches)))
-        run_pass(self.model, micro_batches, keys, FREE_ROUTING, on_logits, phase="behaviour")
+        forward_only_pass(
+            self.model,
+            micro_batches,
+            keys,
+            FREE_ROUTING,
+            on_logits,
+            max_tokens=max_tokens,
+            group=group,
+        )
         return refs

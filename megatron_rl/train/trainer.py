@@ -61,6 +61,7 @@ from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
 from megatron_rl.train.engines import build_engine
 from megatron_rl.train.learning_guard import LearningGuard
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
+from megatron_rl.train.merged_pass import forward_only_pass, forward_token_budget
 from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
 from megatron_rl.train.offload import TrainerOffload
@@ -522,24 +523,28 @@ class Trainer:
                 mask_stale=rollout.mask_stale_tokens,
             )
         )
-        gaps, entropies = [], []
+        # forward-only: the micro-batches run merged, up to this many padded tokens a forward
+        merged = dict(
+            max_tokens=forward_token_budget(self.config.schedule.token_budget),
+            group=self.dp_group if self.dp > 1 else None,
+        )
+        gaps: list = [None] * len(flat)  # by index: merged forwards call on_logits out of order
+        entropies: list = [None] * len(flat)
         refs: list = [None] * len(flat)
         if self.reference is not None:
             with self.reference.resident():
-                refs = self.reference.logprobs(flat, self.config.rollout.temperature)
+                refs = self.reference.logprobs(flat, self.config.rollout.temperature, **merged)
 
         def on_logits(k: int, logits: torch.Tensor) -> None:
             mb = flat[k]
             entry = self._behaviour_entry(mb, logits, refs[k])
-            gaps.append((entry["old"] - mb.rollout_logprobs_BT)[mb.loss_mask_BT])
-            entropies.append(
-                token_entropy(logits, self.config.rollout.temperature)[mb.loss_mask_BT]
-            )
+            gaps[k] = (entry["old"] - mb.rollout_logprobs_BT)[mb.loss_mask_BT]
+            entropies[k] = token_entropy(logits, self.config.rollout.temperature)[mb.loss_mask_BT]
             entries[k] = entry
 
         self.model.eval()
         with torch.no_grad():
-            run_pass(self.model, flat, keys, self.replay, on_logits, phase="behaviour")
+            forward_only_pass(self.model, flat, keys, self.replay, on_logits, **merged)
         self.model.train()
         if self.last_stage:
             gap = torch.cat(gaps).clamp(-20, 20)  # log(pi_train / mu_rollout) per response token
