@@ -1,4 +1,6 @@
-"""The trainer's start-up path imports only what the main job needs before its first step, and a
+"""The CLI imports only what it needs when it needs it: ``--help`` and the parse step import no
+megatron, transformers or torch.compile machinery; the start-up path up to the trainer imports
+only what the main job needs before its first step, megatron's fused functions stay eager; and a
 lazily registered module (wandb) still behaves as the real one once used."""
 
 from __future__ import annotations
@@ -23,23 +25,25 @@ _NOT_ON_STARTUP_PATH = (
     "datasets",
     "pyarrow",
     "pandas",
+    "torch._dynamo",  # torch.compile: megatron's fuser stays eager (eager_megatron_fusions)
+    "torch._inductor",
     "megatron_rl.routing.replay",
     "megatron_rl.rollout.sglang_client",
     "megatron_rl.rollout.http_pool",
     "megatron_rl.rollout.weight_sync",
 )
+# what a run needs only once it builds the model (or the task, for transformers)
+_NOT_BEFORE_THE_RUN = (
+    "megatron",
+    "transformers",
+    "safetensors",
+    "sympy",
+    "torch.distributed.tensor",
+)
 
 
-@pytest.mark.slow
-def test_importing_the_run_module_leaves_unneeded_packages_unimported():
-    code = (
-        "import json, sys\n"
-        "import megatron_rl.train.run\n"
-        "from megatron_rl.train.run_logger import _Progress, RunLoggerConfig\n"
-        "_Progress(RunLoggerConfig(run_dir='unused', total_steps=1), 0)\n"
-        "wandb = sys.modules.get('wandb')\n"
-        "print(json.dumps({'loaded': sorted(sys.modules), 'wandb': type(wandb).__name__}))\n"
-    )
+def _modules_after(code: str) -> dict:
+    """The JSON object that ``code``, run in a fresh interpreter, prints on its last line."""
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
     out = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", code],
@@ -50,11 +54,72 @@ def test_importing_the_run_module_leaves_unneeded_packages_unimported():
         env=env,
         stdin=subprocess.DEVNULL,
     )
-    report = json.loads(out.stdout.strip().splitlines()[-1])
-    loaded = set(report["loaded"])
-    assert "megatron.core" in loaded  # the model needs it: the floor, not a regression
-    early = [m for m in _NOT_ON_STARTUP_PATH if m in loaded]
-    assert early == [], f"imported on the start-up path: {early}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _loaded(modules: list[str], names: tuple[str, ...]) -> list[str]:
+    """The ``names`` (packages count with their submodules) found in ``modules``."""
+    return [n for n in names if any(m == n or m.startswith(n + ".") for m in modules)]
+
+
+@pytest.mark.slow
+def test_help_and_the_parse_step_import_no_megatron_transformers_or_compiler():
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from megatron_rl.train.__main__ import main\n"
+        "from megatron_rl.train.config import parse_args\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as help_text:\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "after_help = sorted(sys.modules)\n"
+        # flags whose features need heavy modules later: wandb, math-verify, the SGLang client
+        "parse_args(['--run-dir', 'unused', '--train-iters', '3', '--loss', 'gspo',\n"
+        "            '--routing-replay', 'r2', '--wandb-project', 'p', '--reward', 'math',\n"
+        "            '--rollout-engine', 'sglang', '--sglang-url', 'http://127.0.0.1:1'])\n"
+        "print(json.dumps({'help': after_help, 'parse': sorted(sys.modules),\n"
+        "                  'usage': help_text.getvalue()[:6]}))\n"
+    )
+    report = _modules_after(code)
+    assert report["usage"] == "usage:"  # the help was printed
+    unneeded = _NOT_ON_STARTUP_PATH + _NOT_BEFORE_THE_RUN
+    assert _loaded(report["help"], unneeded) == []
+    assert _loaded(report["parse"], unneeded) == []
+
+
+@pytest.mark.slow
+def test_cli_start_up_path_imports_megatron_only_with_the_trainer_and_keeps_its_fuser_eager(
+    tmp_path,
+):
+    # `run` is stood in for by what the real one does first (its folders' checks need no model):
+    # then it takes `Trainer` (megatron) and the progress line
+    code = (
+        "import inspect, json, sys\n"
+        "import megatron_rl.train.run as run_module\n"
+        "from megatron_rl.train.__main__ import main\n"
+        "report = {}\n"
+        "def run(config, *, task, load):\n"
+        "    report['before_trainer'] = sorted(sys.modules)\n"
+        "    run_module._trainer_class()\n"
+        "    from megatron_rl.train.run_logger import _Progress, RunLoggerConfig\n"
+        "    _Progress(RunLoggerConfig(run_dir='unused', total_steps=1), 0)\n"
+        "    import megatron.core.jit as jit\n"
+        "    from megatron.core.transformer.moe.router import TopKRouter\n"
+        "    report['eager_fuser'] = jit.jit_fuser is jit.noop_decorator\n"
+        "    report['router_fn'] = inspect.isfunction(TopKRouter.__dict__['_apply_expert_bias'])\n"
+        "    report['wandb'] = type(sys.modules.get('wandb')).__name__\n"
+        "    report['loaded'] = sorted(sys.modules)\n"
+        "    return {}\n"
+        "run_module.run = run\n"
+        f"assert main(['--run-dir', {str(tmp_path)!r}, '--train-iters', '1']) == 0\n"
+        "print(json.dumps(report))\n"
+    )
+    report = _modules_after(code)
+    assert _loaded(report["before_trainer"], ("megatron",)) == []  # --load, folders: no model
+    assert "megatron.core" in report["loaded"]  # the model needs it: the floor, not a regression
+    assert _loaded(report["loaded"], _NOT_ON_STARTUP_PATH) == []
+    assert report["eager_fuser"] and report["router_fn"]
     assert report["wandb"] in ("NoneType", "_LazyModule")
 
 

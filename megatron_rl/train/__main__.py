@@ -16,7 +16,7 @@ import os
 import sys
 import traceback
 
-from megatron_rl.quiet_imports import quiet_third_party_warnings
+from megatron_rl.quiet_imports import eager_megatron_fusions, quiet_third_party_warnings
 from megatron_rl.train.config import parse_args
 
 DEBUG_ENV = "MEGATRON_RL_DEBUG"
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         return _start_up_error(err)
     quiet_third_party_warnings()
+    eager_megatron_fusions()  # before megatron is imported: see megatron_rl.quiet_imports
     from megatron_rl.train.checkpoint_folders import CheckpointDamaged
     from megatron_rl.train.run import TrainingStopped, resolve_load, run
     from megatron_rl.train.run_lock import RunFolderError

@@ -13,9 +13,11 @@ import dataclasses
 import logging
 import os
 import re
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_rl.lazy_exports import lazy_getattr
 from megatron_rl.train.checkpoint import (
     load_training_state,
     save_training_state,
@@ -28,7 +30,14 @@ from megatron_rl.train.preemption import PreemptionHandler
 from megatron_rl.train.run_lock import hold_run_folders, launch_rank
 from megatron_rl.train.run_logger import RunLogger, claim_run_dir, plot_learning_curve
 from megatron_rl.train.task import Task, add_eval_sets, build_task
-from megatron_rl.train.trainer import Trainer
+
+if TYPE_CHECKING:
+    from megatron_rl.train.trainer import Trainer
+
+# `Trainer` (megatron-core and the model) is imported when `run` builds one, after ``--load``
+# and the run folders are checked: their errors answer without megatron. It stays an attribute
+# of this module (tests stand in for it there).
+__getattr__ = lazy_getattr(__name__, {"Trainer": "megatron_rl.train.trainer"}, globals())
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +134,7 @@ def run(
                 task = build_task(config.task, config.eval)
             elif not task.eval_sets:
                 task = add_eval_sets(task, config.task, config.eval)
-        trainer = Trainer(config, task=task, **dist_kwargs)
+        trainer = _trainer_class()(config, task=task, **dist_kwargs)
         stack.callback(trainer.close)
         saver = stack.enter_context(_Saver(trainer, config))  # commits before trainer.close
         if load is not None:
@@ -145,6 +154,11 @@ def run(
             return {}
         evaluator = Evaluator.for_trainer(trainer, task) if config.eval.enabled else None
         return _train(trainer, config, preemption, saver, evaluator)
+
+
+def _trainer_class() -> type[Trainer]:
+    """This module's `Trainer`: imported on first use, or the stand-in set here."""
+    return globals().get("Trainer") or __getattr__("Trainer")
 
 
 def _train(
