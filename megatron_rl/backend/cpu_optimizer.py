@@ -16,6 +16,16 @@ removed, both confined to megatron-core:
    `cuda_type_names` a CPU tensor's ``type()`` (no arguments) reports the CUDA name. This is a
    process-wide patch of ``torch.Tensor.type``, so it is held only around the optimizer's
    construction, ``step()`` and state-dict calls (`PolicyOptimizer` does that), never longer.
+
+Without TE/apex megatron's Adam is ``torch.optim.AdamW``, whose default on CPU tensors is its
+per-tensor Python loop (torch picks ``foreach`` only for CUDA). `foreach_adam` switches its
+parameter groups to torch's ``foreach`` implementation for the duration of a step: the same
+operations in the same order, one C++ loop over the tensors (bitwise the same parameters and
+moments; ``tests/backend/test_foreach_adam.py``). The groups get their own value back afterwards,
+so state dicts and checkpoints are unchanged. torch's ``fused`` CPU kernel (``fused=True``) is
+faster still on large tensors (one pass over the state instead of one per operation) but orders
+the arithmetic differently: ~1e-7 of the largest parameter after 5 steps, not bitwise. The
+trainer uses foreach; fused is measured by ``tools/bench_optimizer.py --fused``.
 """
 
 from __future__ import annotations
@@ -71,6 +81,28 @@ def _cuda_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False
         name = _REAL_TYPE(self)  # idempotent: a torch function mode may route back through us
         return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
     return _REAL_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+@contextlib.contextmanager
+def foreach_adam(optimizers: list[torch.optim.Optimizer], *, fused: bool = False) -> Iterator[None]:
+    """Within the block, torch's Adam/AdamW ``optimizers`` step with ``foreach=True`` (``fused``:
+    with ``fused=True``) wherever their group left the choice to torch (``foreach`` and
+    ``fused`` unset); the groups' own values come back after."""
+    key = "fused" if fused else "foreach"
+    switched = [
+        group
+        for optimizer in optimizers
+        if isinstance(optimizer, torch.optim.Adam)  # AdamW is an Adam subclass
+        for group in optimizer.param_groups
+        if group.get("foreach") is None and group.get("fused") is None
+    ]
+    for group in switched:
+        group[key] = True
+    try:
+        yield
+    finally:
+        for group in switched:
+            group[key] = None
 
 
 @contextlib.contextmanager

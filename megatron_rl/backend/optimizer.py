@@ -9,8 +9,17 @@ tensor/expert/pipeline-parallel group. On CPU the same code runs through the con
 
 Non-finite gradients are the one thing megatron does not catch here: with bf16/fp32 and no loss
 scale it builds no grad scaler, and ``step()`` applies a NaN gradient and reports success with a
-NaN norm. `PolicyOptimizer.step` therefore checks the reduced gradient buffers first (every rank
-decides the same) and skips the update.
+NaN norm. `PolicyOptimizer.step` therefore skips the update (on every rank alike) when a
+gradient is non-finite.
+
+On the CPU backend the step is megatron's, in its own three parts (``prepare_grads``, the norm
+and clipping, ``step_with_ready_grads``), with the per-tensor Python loops of its torch fallbacks
+replaced: the norm (with the finite check folded in) is one ``torch._foreach_norm`` over
+megatron's own tensor list, the clipping one scale of the contiguous grad buffers
+(`backend/grad_norm.py`: bitwise megatron's norm and clipping, over the same groups), and torch's
+AdamW runs its ``foreach`` implementation (`cpu_optimizer.foreach_adam`: bitwise the same
+update). On GPU ``step()`` is megatron's own (TE/apex kernels where installed; torch picks foreach
+Adam for CUDA tensors by itself), after a chunked finite check of the reduced buffers.
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ from megatron.core.distributed import (
 )
 
 from megatron_rl.backend.cpu import cpu_backend_active
-from megatron_rl.backend.cpu_optimizer import cuda_type_names
+from megatron_rl.backend.cpu_optimizer import cuda_type_names, foreach_adam
 from megatron_rl.backend.grad_check import all_finite
+from megatron_rl.backend.grad_norm import GradNormPlan
 from megatron_rl.backend.optimizer_config import OptimizerConfig
 from megatron_rl.collectives import all_ranks_agree
 
@@ -149,6 +159,20 @@ class PolicyOptimizer:
         megatron_config = megatron_optimizer_config(config, model.config)
         with self._megatron_calls():
             self.inner = get_megatron_optimizer(megatron_config, [model])
+        self._torch_optimizers = [
+            sub.optimizer
+            for sub in self.inner.chained_optimizers
+            if isinstance(getattr(sub, "optimizer", None), torch.optim.Optimizer)
+        ]
+        # the buffer-level norm/clip/finite check (built on the first step) where megatron runs
+        # its torch fallbacks, its grads are fp32 buffer views and nothing else sits between
+        # its norm and its update; the same choice on every rank
+        self._buffer_step = (
+            cpu_backend_active()
+            and model.ddp_config.grad_reduce_in_fp32
+            and _plain_adam_step(megatron_config)
+        )
+        self._plan: GradNormPlan | None = None
         logger.info(
             "optimizer: megatron %s Adam%s",
             "distributed" if sharded_buffers else "non-distributed",
@@ -183,17 +207,24 @@ class PolicyOptimizer:
         completed).
         """
         finalize_model_grads([self.model])
-        if not all_ranks_agree(self._grads_finite()):
-            return None
+        if not self._buffer_step:
+            if not all_ranks_agree(self._grads_finite()):
+                return None
+            with self._megatron_calls():
+                succeeded, grad_norm, _ = self.inner.step()
+            return _checked(succeeded, grad_norm)
+        # megatron's ChainedOptimizer.step, its norm and clipping over the buffers
         with self._megatron_calls():
-            succeeded, grad_norm, _ = self.inner.step()
-        if not succeeded or grad_norm is None or not math.isfinite(grad_norm):
-            raise RuntimeError(
-                f"megatron's optimizer step returned success={succeeded}, grad norm={grad_norm} "
-                "after finite gradients: the update may be partial; stop and resume from the last "
-                "checkpoint"
-            )
-        return float(grad_norm)
+            self.inner.prepare_grads()  # grads onto the optimizers' params: buffer views
+            if self._plan is None:
+                self._plan = GradNormPlan.build(self.inner)
+            grad_norm = self._plan.norm()  # non-finite iff a gradient is, on every rank alike
+            if not math.isfinite(grad_norm):
+                return None
+            self._plan.clip_(grad_norm)
+            with foreach_adam(self._torch_optimizers):
+                succeeded = self.inner.step_with_ready_grads()
+        return _checked(succeeded, grad_norm)
 
     def skip(self) -> None:
         """Skip this update: complete the gradient reductions every rank entered (under
@@ -212,6 +243,29 @@ class PolicyOptimizer:
     def state_dict(self) -> dict:
         with self._megatron_calls():
             return self.inner.state_dict()
+
+
+def _plain_adam_step(config) -> bool:
+    """Whether megatron's step is prepare, norm, clip, update and nothing more for ``config``
+    (megatron's ``OptimizerConfig``): no loss scale, no zero counting, no precision-aware Adam."""
+    return not (
+        config.fp16
+        or config.loss_scale
+        or config.log_num_zeros_in_grad
+        or config.use_precision_aware_optimizer
+    )
+
+
+def _checked(succeeded: bool, grad_norm: float | None) -> float:
+    """``grad_norm`` of an update megatron made after finite gradients; RuntimeError if it
+    reports a failed update or a non-finite norm."""
+    if not succeeded or grad_norm is None or not math.isfinite(grad_norm):
+        raise RuntimeError(
+            f"megatron's optimizer step returned success={succeeded}, grad norm={grad_norm} "
+            "after finite gradients: the update may be partial; stop and resume from the last "
+            "checkpoint"
+        )
+    return float(grad_norm)
 
 
 def build_optimizer(model: DistributedDataParallel, config: OptimizerConfig) -> PolicyOptimizer:
