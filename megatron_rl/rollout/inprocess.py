@@ -35,6 +35,7 @@ so several stand-in servers over one engine pause independently, as real servers
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import logging
@@ -46,6 +47,7 @@ import torch
 from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megatron_rl.rollout import fp8_weights, hf_weights
+from megatron_rl.rollout.padded_experts import PADDED_BMM, register_padded_experts
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.route_capture import RouteCapture, moe_gates
 from megatron_rl.rollout.router_noise import RouterNoise
@@ -59,6 +61,8 @@ logger = logging.getLogger(__name__)
 ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
 _PARKED_POLL_S = 0.02  # a parked or waiting call re-checks its pause this often (lock released)
+# transformers' experts functions (its ExpertsInterface) the engine accepts, plus padded_bmm
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", PADDED_BMM, "batched_mm", "eager")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -69,8 +73,16 @@ class InProcessEngineConfig:
     mismatch of bf16 serving; ``dtype="float8"`` also rounds the attention and MLP matrices to
     e4m3 per output channel after every load (FP8 serving, `megatron_rl.rollout.fp8_weights`),
     a stronger mismatch. ``router_noise`` > 0: Gaussian noise of that relative size in every
-    router's logits before the top-k (`megatron_rl.rollout.router_noise`, drawn from a generator
-    seeded with ``router_noise_seed``), a mismatch that persists at trained weights.
+    router's logits before the top-k (`megatron_rl.rollout.router_noise`), a mismatch that
+    persists at trained weights; a draw is a function of ``router_noise_seed``, the sample's
+    sampling seed, the position and the layer, so batching never changes a sample.
+    ``max_batch_size``: rows per batched generation (a request of more rows runs in chunks);
+    256 holds a study-sized request (16 prompts x 8 samples) in one batch: 1.17-1.43x faster
+    per token on CPU than 64 (``tools/bench_engine.py``), the same tokens (fp32 log-probs move
+    by rounding, ~2e-7: BLAS rounds a row by the matrix's row count).
+    ``experts_implementation``: how transformers runs the experts, one of
+    `EXPERTS_IMPLEMENTATIONS` (``"padded_bmm"``: `megatron_rl.rollout.padded_experts`); None
+    (default) keeps the model's own (transformers picks ``"grouped_mm"`` where it can).
     ``routing_codec``: the `RoutingCodec` dtype routes are stored in.
     ``logprob_mode``: see `megatron_rl.rollout.sampling`. ``pause_mode``: None (default), an
     `InProcessEngine.update_weights` during a running ``generate`` waits for it to end; one of
@@ -80,7 +92,7 @@ class InProcessEngineConfig:
 
     dtype: str = "float32"
     device: str = "cpu"
-    max_batch_size: int = 64
+    max_batch_size: int = 256
     routing_codec: str = "auto"
     logprob_mode: str = "temperature"
     pad_token_id: int = 0
@@ -88,8 +100,15 @@ class InProcessEngineConfig:
     pause_mode: str | None = None
     router_noise: float = 0.0
     router_noise_seed: int = 0
+    experts_implementation: str | None = None
 
     def __post_init__(self) -> None:
+        experts = self.experts_implementation
+        if experts is not None and experts not in EXPERTS_IMPLEMENTATIONS:
+            raise ValueError(
+                f"InProcessEngineConfig.experts_implementation={experts!r}: None or one of "
+                f"{EXPERTS_IMPLEMENTATIONS}"
+            )
         if not (0 <= self.router_noise < float("inf")):
             raise ValueError(
                 f"InProcessEngineConfig.router_noise={self.router_noise!r}: must be >= 0 "
@@ -139,6 +158,10 @@ class InProcessEngine:
         hf = model.config
         self.vocab_size = int(hf.vocab_size)
         self.num_moe_layers = len(moe_gates(self.model))
+        if self.config.experts_implementation is not None:
+            register_padded_experts()
+            self.model.set_experts_implementation(self.config.experts_implementation)
+        self.router_noise: RouterNoise | None = None
         if self.config.router_noise > 0:  # before any RouteCapture: captured routes are noisy
             self.router_noise = RouterNoise(
                 self.model, self.config.router_noise, self.config.router_noise_seed
@@ -163,9 +186,10 @@ class InProcessEngine:
     def from_hf_config(
         cls, hf_config: Qwen3MoeConfig, config: InProcessEngineConfig | None = None, seed: int = 0
     ) -> InProcessEngine:
-        """A randomly initialised model (weights usually arrive by `update_weights` next)."""
+        """A randomly initialised model (weights usually arrive by `update_weights` next), on
+        its own copy of ``hf_config`` (the engine sets the copy's experts implementation)."""
         torch.manual_seed(seed)
-        return cls(Qwen3MoeForCausalLM(hf_config), config)
+        return cls(Qwen3MoeForCausalLM(copy.deepcopy(hf_config)), config)
 
     @classmethod
     def from_pretrained(
@@ -444,7 +468,10 @@ class InProcessEngine:
         changes: list[list[tuple[int, int]]] = [[] for _ in rows]  # (old version, tokens by then)
         fed: list[torch.Tensor] = []  # [B, 1] per decoding step: what retract recomputes
         capture = RouteCapture(self.model, batch) if want_routes else None
-        with capture if capture is not None else contextlib.nullcontext():
+        noise_rows = contextlib.nullcontext()
+        if self.router_noise is not None:  # a sample's noise follows its sampling seed
+            noise_rows = self.router_noise.rows([row[3] for row in rows])
+        with noise_rows, capture if capture is not None else contextlib.nullcontext():
             step_ids, step_pos = input_BT, position_BT
             for _ in range(params.max_new_tokens):
                 out = self.model(
