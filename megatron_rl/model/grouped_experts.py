@@ -121,13 +121,16 @@ class TorchGroupedMLP(MegatronModule):
 
         ``tokens_per_expert`` ``[E_local]`` (any integer dtype and device) counts the rows of each
         expert; ``permuted_probs`` ``[T]`` are the routing probabilities that scale each row. The
-        weights stay in the graph when no token comes (zero gradients), so every rank's backward
-        reaches every expert's gradient hook.
+        input and the weights stay in the graph when no token comes (zero gradients), so every
+        rank's backward reaches every expert's gradient hook and the dispatcher's collectives.
         """
         x = permuted_local_hidden_states
         if x.shape[0] == 0:  # torch's grouped matmul has no backward for zero rows
-            weights = self.weight1.sum() + self.weight2.sum()
-            return x.new_zeros(0, self.config.hidden_size) + 0.0 * weights, None
+            # the inputs and both weights stay in the graph: the weights get zero gradients and
+            # the backward reaches the dispatcher's all-to-alls (tokens and probabilities) on
+            # this rank as on its peers, in the same order
+            anchor = x.sum() + permuted_probs.sum() + self.weight1.sum() + self.weight2.sum()
+            return x.new_zeros(0, self.config.hidden_size) + 0.0 * anchor, None
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
         fc1 = torch._grouped_mm(x, self.weight1.transpose(1, 2), offs=offsets)
         if self.config.gated_linear_unit:

@@ -87,17 +87,21 @@ def test_grouped_experts_stack_each_layers_experts_in_two_parameters(ws1):
     assert count(sequential) - count(grouped) == moe_layers * (2 * config.num_experts - 2)
 
 
-def test_grouped_experts_without_tokens_keep_their_weights_in_the_graph(ws1):
+def test_grouped_experts_without_tokens_keep_their_input_and_weights_in_the_graph(ws1):
     config = tiny_config()
     model = build_model(config, ModelOptions(moe_grouped_gemm=True))
     experts = model.decoder.layers[0].mlp.experts
-    hidden = torch.zeros(0, config.hidden_size)
+    hidden = torch.zeros(0, config.hidden_size, requires_grad=True)
     counts = torch.zeros(experts.num_local_experts, dtype=torch.int64)
-    out, _ = experts(hidden, counts, torch.zeros(0))
+    probs = torch.zeros(0, requires_grad=True)
+    out, _ = experts(hidden, counts, probs)
     out.sum().backward()
     assert out.shape == (0, config.hidden_size)
     assert torch.count_nonzero(experts.weight1.grad) == 0
     assert experts.weight2.grad is not None
+    # the backward reaches both inputs: under EP their producers are the dispatcher's
+    # all-to-alls, which every rank must run
+    assert hidden.grad is not None and probs.grad is not None
 
 
 def _seeded_model(config, grouped: bool):
