@@ -103,9 +103,7 @@ def expert_parallel_worker(rank, world_size, init_method, tmp_dir) -> None:
                 same_tensors(a, b) for a, b in zip(saved_adam, restored_adam, strict=True)
             ),
             "rng_equal": torch.equal(torch.rand(4), expected_draw),
-            "expert_weight": weights(model)[
-                "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
-            ],
+            "expert_weight": weights(model)["decoder.layers.0.mlp.experts.weight1"][0],
         },
         os.path.join(tmp_dir, f"result{rank}.pt"),
     )
