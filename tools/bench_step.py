@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -47,31 +48,41 @@ SETTINGS = {
 PARTS = ("time/step", "time/rollout", "time/old_logprob", "time/update", "time/sync")
 
 
-def start_run(tree: Path, flags: list[str], run_dir: Path, steps: int) -> tuple:
-    """(process, start time) of one CLI run of ``tree`` with one torch thread."""
+def start_run(tree: Path, flags: list[str], run_dir: Path, steps: int) -> dict:
+    """One CLI run of ``tree`` with one torch thread, started now; a thread notes its exit."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree), WANDB_MODE="disabled")
     command = [
         sys.executable, "-m", "megatron_rl.train", *flags,
         "--train-iters", str(steps), "--seed", "1", "--run-dir", str(run_dir), "--no-progress",
     ]  # fmt: skip
     log = open(run_dir.with_suffix(".log"), "w")  # noqa: SIM115 (closed with the process)
-    process = subprocess.Popen(command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return process, time.perf_counter(), log
+    run = {"started": time.perf_counter(), "log": log, "run_dir": run_dir}
+    run["process"] = subprocess.Popen(
+        command, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+
+    def wait() -> None:  # the exit time of this run, not of the later of the pair
+        run["code"] = run["process"].wait()
+        run["wall"] = time.perf_counter() - run["started"]
+
+    run["waiter"] = threading.Thread(target=wait, daemon=True)
+    run["waiter"].start()
+    return run
 
 
-def finish_run(run: tuple, run_dir: Path) -> dict[str, float]:
-    """Median seconds of each part over steps 2.., and the start-up seconds, of a finished run."""
-    process, started, log = run
-    code = process.wait()
-    wall = time.perf_counter() - started
-    log.close()
-    if code != 0:
+def finish_run(run: dict) -> dict[str, float]:
+    """Median seconds of each part over steps 2.., and the start-up seconds, of a finished run
+    (its process wall time less its steps: imports, building, the end-of-run plot)."""
+    run["waiter"].join()
+    run["log"].close()
+    run_dir = run["run_dir"]
+    if run["code"] != 0:
         tail = run_dir.with_suffix(".log").read_text()[-3000:]
-        raise RuntimeError(f"run {run_dir} failed with exit code {code}:\n{tail}")
+        raise RuntimeError(f"run {run_dir} failed with exit code {run['code']}:\n{tail}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [row for row in rows if "time/step" in row]
     out = {part: statistics.median(row[part] for row in rows[1:]) for part in PARTS}
-    out["start-up"] = wall - sum(row["time/step"] for row in rows)
+    out["start-up"] = run["wall"] - sum(row["time/step"] for row in rows)
     return out
 
 
@@ -86,7 +97,7 @@ def measure(setting: str, baselines: dict, repeats: int, steps: int, scratch: Pa
                 start_run(tree, [*flags, *extra], dirs[0], steps),
                 start_run(HERE, flags, dirs[1], steps),
             ]
-            base, now = (finish_run(run, d) for run, d in zip(runs, dirs, strict=True))
+            base, now = (finish_run(run) for run in runs)
             results.append((name, base, now))
             print(f"{setting} repeat {repeat} vs {name}: base {base['time/step']:.3f} s/step, "
                   f"now {now['time/step']:.3f} s/step", flush=True)  # fmt: skip
