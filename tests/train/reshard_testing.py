@@ -89,3 +89,21 @@ def reshard_worker(
         result["after_without_exp_avg"] = canonical(model, hf_config)
     if rank == 0:
         torch.save(result, os.path.join(tmp_dir, f"{phase}.pt"))
+
+
+def run_phase(tmp_path, phase: str, layout, fmt: str = "torch_dist", grouped: bool = True) -> dict:
+    """Spawn `reshard_worker` for ``phase`` at ``layout`` (``(ParallelConfig kwargs, world
+    size)``) in ``tmp_path / phase``; rank 0's result."""
+    from qwen3_moe_testing import spawn_ranks
+
+    kwargs, world_size = layout
+    folder = tmp_path / phase
+    folder.mkdir()
+    spawn_ranks(reshard_worker, folder, world_size, phase, kwargs, fmt, grouped)
+    return torch.load(folder / f"{phase}.pt")
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference over the same-named tensors of ``a`` and ``b``."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)

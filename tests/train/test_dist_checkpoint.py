@@ -16,8 +16,7 @@ import os
 
 import pytest
 import torch
-from qwen3_moe_testing import spawn_ranks
-from reshard_testing import reshard_worker
+from reshard_testing import max_diff, run_phase
 from train_state_testing import build_tiny, same_tensors, train_steps, weights
 
 from megatron_rl.train.checkpoint import latest_step, load_training_state, save_training_state
@@ -29,45 +28,32 @@ WORLD1 = ({}, 1)
 ATOL = 1e-6  # float noise of a resumed update; Adam moves every weight by about lr = 3e-3
 
 
-def _run(tmp_path, phase: str, layout) -> dict:
-    kwargs, world_size = layout
-    folder = tmp_path / phase
-    folder.mkdir()
-    spawn_ranks(reshard_worker, folder, world_size, phase, kwargs, "torch_dist")
-    return torch.load(folder / f"{phase}.pt")
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ep2_checkpoint_resumes_at_world_1_and_dp2_like_the_uninterrupted_run(tmp_path):
-    saved = _run(tmp_path, "save", EP2)
+    saved = run_phase(tmp_path, "save", EP2)
     for phase, layout in (("world1_control", WORLD1), ("dp2", DP2)):
-        resumed = _run(tmp_path, phase, layout)
+        resumed = run_phase(tmp_path, phase, layout)
         assert resumed["rl_state"] == {"step": 2}
-        assert _max_diff(resumed["loaded"], saved["loaded"]) == 0.0  # parameters exactly
-        assert _max_diff(resumed["after"], saved["after"]) < ATOL, phase
+        assert max_diff(resumed["loaded"], saved["loaded"]) == 0.0  # parameters exactly
+        assert max_diff(resumed["after"], saved["after"]) < ATOL, phase
     # the same update without the restored first moments is far off: the test sees them
     control = torch.load(tmp_path / "world1_control" / "world1_control.pt")
-    assert _max_diff(control["after_without_exp_avg"], saved["after"]) > 100 * ATOL
+    assert max_diff(control["after_without_exp_avg"], saved["after"]) > 100 * ATOL
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_tp2_checkpoint_resumes_at_ep2_and_world_1(tmp_path):
-    saved = _run(tmp_path, "save", TP2)
-    ep2 = _run(tmp_path, "ep2_control", EP2)
-    world1 = _run(tmp_path, "world1", WORLD1)
+    saved = run_phase(tmp_path, "save", TP2)
+    ep2 = run_phase(tmp_path, "ep2_control", EP2)
+    world1 = run_phase(tmp_path, "world1", WORLD1)
     for resumed in (ep2, world1):
         assert resumed["rl_state"] == {"step": 2}
-        assert _max_diff(resumed["loaded"], saved["loaded"]) == 0.0
+        assert max_diff(resumed["loaded"], saved["loaded"]) == 0.0
     # TP2's own update differs from EP2/world 1 (see the module docstring); these two agree
-    assert _max_diff(ep2["after"], world1["after"]) < ATOL
-    assert _max_diff(ep2["after_without_exp_avg"], ep2["after"]) > 100 * ATOL
+    assert max_diff(ep2["after"], world1["after"]) < ATOL
+    assert max_diff(ep2["after_without_exp_avg"], ep2["after"]) > 100 * ATOL
 
 
 def test_torch_dist_round_trip_and_format_detection(ws1, tmp_path):
