@@ -159,13 +159,16 @@ def test_pause_holds_generation_and_health_but_not_the_liveness_probe(server, hf
 
 def test_an_abort_all_mid_batch_regenerates_the_aborted_samples(server, hf_config, monkeypatch):
     """Long samples (SGLang's ``ignore_eos``: the tiny model's 16-token vocabulary ends most
-    samples within a few tokens) so that an ``abort_all`` after 1 s lands mid-batch."""
+    samples within a few tokens) so that an ``abort_all`` after 0.5 s lands mid-batch. 150
+    tokens take ~1.5 s unloaded; the regenerated samples must finish within the client's
+    request timeout on a loaded CI machine too (at 400 tokens two CI runs of the suite had a
+    regenerated request exceed 120 s)."""
     to_sglang = SamplingParams.to_sglang
     monkeypatch.setattr(SamplingParams, "to_sglang", lambda p: {**to_sglang(p), "ignore_eos": True})
-    long = SamplingParams(max_new_tokens=400, temperature=1.0)
+    long = SamplingParams(max_new_tokens=150, temperature=1.0)
     with client_for(server, hf_config) as client:
         timer = threading.Timer(
-            1.0,
+            0.5,
             lambda: request_json(
                 server.url, "POST", "/abort_request", {"abort_all": True}, timeout_s=60
             ),
