@@ -22,17 +22,23 @@ def _adamw(seed: int) -> tuple[list[torch.nn.Parameter], torch.optim.AdamW]:
     return params, torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
 
 
-def test_foreach_adamw_updates_bitwise_like_the_per_tensor_loop():
+def _five_steps(fused: bool):
+    """(loop params, loop AdamW, params, AdamW stepped under `foreach_adam`), 5 equal steps."""
     loop_params, loop = _adamw(0)
-    foreach_params, foreach = _adamw(0)
+    params, optimizer = _adamw(0)
     generator = torch.Generator().manual_seed(1)
     for step in range(5):
-        for a, b in zip(loop_params, foreach_params, strict=True):
+        for a, b in zip(loop_params, params, strict=True):
             a.grad = torch.randn(a.shape, generator=generator) * 10.0 ** (step - 2)
             b.grad = a.grad.clone()
         loop.step()
-        with foreach_adam([foreach]):
-            foreach.step()
+        with foreach_adam([optimizer], fused=fused):
+            optimizer.step()
+    return loop_params, loop, params, optimizer
+
+
+def test_foreach_adamw_updates_bitwise_like_the_per_tensor_loop():
+    loop_params, loop, foreach_params, foreach = _five_steps(fused=False)
     for a, b in zip(loop_params, foreach_params, strict=True):
         assert torch.equal(a, b)
         assert torch.equal(loop.state[a]["exp_avg_sq"], foreach.state[b]["exp_avg_sq"])
@@ -40,16 +46,7 @@ def test_foreach_adamw_updates_bitwise_like_the_per_tensor_loop():
 
 def test_fused_adamw_is_within_1e_6_of_the_largest_parameter_but_not_bitwise():
     """What ``fused=True`` would cost in exactness (why the trainer keeps foreach)."""
-    loop_params, loop = _adamw(0)
-    fused_params, fused = _adamw(0)
-    generator = torch.Generator().manual_seed(1)
-    for step in range(5):
-        for a, b in zip(loop_params, fused_params, strict=True):
-            a.grad = torch.randn(a.shape, generator=generator) * 10.0 ** (step - 2)
-            b.grad = a.grad.clone()
-        loop.step()
-        with foreach_adam([fused], fused=True):
-            fused.step()
+    loop_params, _, fused_params, fused = _five_steps(fused=True)
     assert all(group["fused"] is None for group in fused.param_groups)
     with torch.no_grad():
         worst = max(
