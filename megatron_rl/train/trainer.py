@@ -46,6 +46,7 @@ from megatron_rl.losses import rollout_correction
 from megatron_rl.losses.clip_positions import clip_profile_from_counts
 from megatron_rl.model import build_model
 from megatron_rl.model.conversion import iter_hf_tensors, iter_hf_tensors_every_stage
+from megatron_rl.model.conversion.seeded_init import init_from_seed
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.rollout.protocol import RolloutEngine
 from megatron_rl.routing import RoutingCodec
@@ -131,6 +132,8 @@ class Trainer:
             from megatron_rl.model.conversion import load_checkpoint
 
             load_checkpoint(model, task.checkpoint_dir, self.hf_config)
+        else:  # the same initial weights at every parallel layout (megatron's depend on it)
+            init_from_seed(model, self.hf_config, parallel.seed)
         self.model = wrap_for_training(
             model,
             use_distributed_optimizer=config.optimizer.use_distributed_optimizer,

@@ -14,6 +14,7 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from megatron_rl.model.conversion.names import (
+    TensorMap,
     expected_canonical_shapes,
     expected_hf_shapes,
     rank_tensor_maps,
@@ -123,6 +124,31 @@ def load_checkpoint(
     fmt = detect_format(folder) if fmt == "auto" else fmt
     if fmt not in FORMATS:
         raise ValueError(f"fmt={fmt!r}: choose 'auto' or one of {FORMATS}")
+    with CheckpointReader(folder) as reader:
+        expected = expected_hf_shapes(cfg) if fmt == "hf" else expected_canonical_shapes(cfg)
+        validate_checkpoint(reader, expected, f"{fmt} checkpoint")
+
+        def full_tensor(tmap: TensorMap) -> torch.Tensor:
+            if fmt == "hf":
+                return fuse(tmap, [reader.get(name) for name in tmap.hf], cfg)
+            return reader.get(tmap.canonical)
+
+        count = copy_full_tensors(model, cfg, full_tensor, progress=progress)
+    logger.info("loaded %d tensors from %s (%s)", count, os.fspath(folder), fmt)
+
+
+def copy_full_tensors(
+    model: torch.nn.Module,
+    cfg: Qwen3MoeConfig,
+    full_tensor: Callable[[TensorMap], torch.Tensor],
+    *,
+    progress: Callable[[Iterable], Iterable] | None = None,
+) -> int:
+    """Copy this rank's shard of each canonical tensor ``full_tensor(tmap)`` into ``model``.
+
+    Every shard is computed and checked against its parameter's shape before the first weight
+    is written, so a failure leaves the model as it was. Returns the number of tensors copied.
+    """
     rank = model_rank_layout(model)
     maps = rank_tensor_maps(cfg, model_layout_name(model), rank)
     params = weight_entries(model)
@@ -134,23 +160,16 @@ def load_checkpoint(
             f"not in model {_listed(unknown)}"
         )
     staged: dict[str, torch.Tensor] = {}
-    with CheckpointReader(folder) as reader:
-        expected = expected_hf_shapes(cfg) if fmt == "hf" else expected_canonical_shapes(cfg)
-        validate_checkpoint(reader, expected, f"{fmt} checkpoint")
-        for tmap in progress(maps) if progress else maps:
-            if fmt == "hf":
-                full = fuse(tmap, [reader.get(name) for name in tmap.hf], cfg)
-            else:
-                full = reader.get(tmap.canonical)
-            part = shard(tmap, full, *shard_coords(tmap.group, rank))
-            target = params[tmap.param]
-            if tuple(part.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"{tmap.param}: checkpoint shard has shape {tuple(part.shape)}, "
-                    f"the model parameter {tuple(target.shape)}"
-                )
-            staged[tmap.param] = part
+    for tmap in progress(maps) if progress else maps:
+        part = shard(tmap, full_tensor(tmap), *shard_coords(tmap.group, rank))
+        target = params[tmap.param]
+        if tuple(part.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{tmap.param}: checkpoint shard has shape {tuple(part.shape)}, "
+                f"the model parameter {tuple(target.shape)}"
+            )
+        staged[tmap.param] = part
     with torch.no_grad():
         for name, tensor in staged.items():
             params[name].copy_(tensor)
-    logger.info("loaded %d tensors from %s (%s)", len(staged), os.fspath(folder), fmt)
+    return len(staged)
