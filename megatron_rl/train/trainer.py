@@ -52,7 +52,7 @@ from megatron_rl.rollout.protocol import RolloutEngine
 from megatron_rl.routing import RoutingCodec
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
-from megatron_rl.train.async_rollout import AsyncRollouts
+from megatron_rl.train.async_rollout import AsyncRollouts, generator_barrier
 from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
 from megatron_rl.train.carry_over import CarryOver
@@ -292,12 +292,15 @@ class Trainer:
             share=functools.partial(broadcast_object, src=self.mp_src, group=self.mp_group),
         )
         if self.config.rollout.async_rollout:
+            # shared servers: rank 0's pause at the sync reaches every rank's requests
+            shared = self.config.engine.remote
             return AsyncRollouts(
                 hooks,
                 max_staleness=self.config.rollout.max_staleness,
                 last_index=self.config.schedule.train_iters,
                 partial=self.config.rollout.partial_rollout,
                 regenerate_stale=self.config.rollout.carry_over_groups == 0,
+                barrier=generator_barrier(self.is_generator) if shared else None,
             )
         return SyncRollouts(hooks)
 
