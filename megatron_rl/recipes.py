@@ -14,6 +14,9 @@ launcher (``EVAL_DATA``). ``python -m megatron_rl.recipes RECIPE ARM`` prints an
 per line (``--scale`` adds the paper's scale, ``--staleness N`` its batch geometry at another
 N); ``python -m megatron_rl.recipes --list`` lists them. Every value below cites its table;
 where a paper is silent, the choice is said.
+
+Outside a recipe, the launchers' KL coefficient defaults per loss (`default_kl_coef`;
+``python -m megatron_rl.recipes --kl-default LOSS`` prints it for the launchers).
 """
 
 from __future__ import annotations
@@ -164,6 +167,17 @@ STUDY = dataclasses.replace(
 
 RECIPES = {"epic-paper": EPIC_PAPER, "vespo-paper": VESPO_PAPER, "study": STUDY}
 
+# The launchers' KL coefficient to the frozen initial policy when neither a recipe nor KL_COEF
+# sets one: the EPIC paper's protocol uses 1e-3 for every method it compares (Sec. 9.2), so epic
+# and its baselines (grpo, dapo, gspo, and gspo's token-level form) keep it; VESPO's objective
+# has no KL term (slime's Qwen3-30B-A3B recipe uses 0), nor does any other loss here.
+KL_COEF_BY_LOSS = {"epic": 1e-3, "grpo": 1e-3, "dapo": 1e-3, "gspo": 1e-3, "gspo_token": 1e-3}
+
+
+def default_kl_coef(loss: str) -> float:
+    """The launchers' KL coefficient for ``loss`` (`KL_COEF_BY_LOSS`; 0 for every other loss)."""
+    return KL_COEF_BY_LOSS.get(loss, 0.0)
+
 
 def get_recipe(name: str) -> Recipe:
     try:
@@ -179,7 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", action="store_true", help="add the paper's scale flags")
     parser.add_argument("--staleness", type=int, help="with --scale: N (default: the paper's)")
     parser.add_argument("--list", action="store_true", help="list the recipes and their arms")
+    parser.add_argument(
+        "--kl-default",
+        metavar="LOSS",
+        help="print the launchers' default --kl-coef for LOSS (0.001 or 0) and exit",
+    )
     args = parser.parse_args(argv)
+    if args.kl_default is not None:
+        sys.stdout.write(f"{default_kl_coef(args.kl_default):g}\n")
+        return 0
     if args.list or args.recipe is None:
         for name, recipe in RECIPES.items():
             sys.stdout.write(f"{name}: {', '.join(recipe.arms)}  ({recipe.source})\n")

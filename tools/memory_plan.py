@@ -17,6 +17,13 @@
     python tools/memory_plan.py --model qwen3-30b-a3b --tp 2 --ep 8 --world-size 32 \
         --micro-batch-tokens 18432 --gpu-gib 80 --colocated --server-tp 8
 
+    # the plan of a launcher's own trainer command: everything after `--` is the trainer's command
+    # line, parsed by the trainer's parser (megatron_rl.train.config), optionally as torchrun
+    # prints it (its --nnodes x --nproc-per-node is the world size); --model names the preset
+    # when the command's --model is a checkpoint folder this machine does not have
+    python tools/memory_plan.py --model qwen3-235b-a22b --gpu-gib 80 -- \
+        $(DRY_RUN=1 NODE_RANK=0 ... bash examples/qwen3_moe/run_qwen3_235b_a22b.sh | grep ^torchrun)
+
     # the GPU smoke's slice (tools/gpu_smoke.py): Qwen3-30B-A3B's shape with 2 layers on one GPU,
     # local spec (unfused attention), no recompute, no reserve; the H200 measured 44.6 / 81.4 GiB
     python tools/memory_plan.py --model qwen3-30b-a3b --num-layers 2 --spec local \
@@ -27,6 +34,14 @@ exactly; activations, the attention core, logits, log-prob tiles, the optimizer 
 and the reserve are estimates (see `megatron_rl.memory_plan`). The peak is the static terms plus
 the largest phase of the step (printed with the others); with pipeline parallelism the fullest
 stage decides the verdict.
+
+With `--`, the layout, precision, recompute, micro-batch (``--micro-batch-size`` x the prompt and
+response lengths), routing replay (its codec, and every sample of a rollout recorded), the KL
+reference (on the GPU during its pass when ``--kl-coef`` > 0), the optimizer offload and the
+colocated view (``--colocate``, its servers' ``--sglang-engine-ranks``) all come from the
+trainer's flags, so a launcher and its plan cannot disagree; giving one of those as this tool's
+own flag as well is an error. The GPU's size, the reserve and the other estimates stay this
+tool's flags.
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -69,7 +85,120 @@ def _stage_layers(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: comma-separated layer counts") from None
 
 
+# this tool's flags that the trainer's command line decides (with `--`)
+FROM_TRAINER = (
+    "tp", "pp", "ep", "etp", "cp", "sp", "pipeline_layers", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "dtype", "distributed_optimizer",
+    "optimizer_offload_fraction", "recompute", "micro_batch_tokens", "micro_batch_sequences",
+    "routing_replay", "routing_codec", "routing_tokens", "routing_responses",
+    "routing_response_tokens", "reference", "spec", "colocated", "server_tp",
+)  # fmt: skip
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This tool's flags; with ``-- TRAINER_COMMAND``, those the trainer's command decides
+    (`FROM_TRAINER`, the world size and GPUs per node under torchrun) come from it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        return build_parser().parse_args(argv)
+    split = argv.index("--")
+    own, command = argv[:split], argv[split + 1 :]
+    args = build_parser().parse_args(own)
+    given = _given_flags(own)
+    return apply_trainer_command(args, given, command)
+
+
+def _given_flags(argv: list[str]) -> set[str]:
+    """The destinations of the flags ``argv`` gives (not those left at their defaults)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
+def apply_trainer_command(
+    args: argparse.Namespace, given: set[str], command: list[str]
+) -> argparse.Namespace:
+    """``args`` with what the trainer's ``command`` decides: its flags (the trainer's own
+    parser, ``megatron_rl.train.config.parse_args``), or ``torchrun ... -m megatron_rl.train
+    FLAGS`` (world size ``--nnodes`` x ``--nproc-per-node``)."""
+    from megatron_rl.train.config import parse_args as parse_trainer_args
+
+    both = sorted(given & set(FROM_TRAINER))
+    flags, world_size, gpus_per_node = _split_launcher(command)
+    if world_size is not None:
+        both += sorted(given & {"world_size", "dp", "gpus_per_node"})
+    if both:
+        names = ", ".join("--" + name.replace("_", "-") for name in both)
+        raise ValueError(f"{names}: the trainer's command after -- decides this; drop it")
+    config = parse_trainer_args(flags)
+    if config.task.max_prompt_length is None:
+        raise ValueError(
+            "the trainer's command gives no --max-prompt-length: a micro-batch's tokens are "
+            "--micro-batch-size x (--max-prompt-length + --max-response-length)"
+        )
+    length = config.task.max_prompt_length + config.rollout.max_response_length
+    replay = config.replay.mode
+    micro = config.schedule.micro_batch_size
+    values = {
+        "tp": config.parallel.tensor_parallel,
+        "pp": config.parallel.pipeline_parallel,
+        "ep": config.parallel.expert_parallel,
+        "etp": config.parallel.expert_tensor_parallel,
+        "cp": config.parallel.context_parallel,
+        "sp": config.parallel.sequence_parallel,
+        "pipeline_layers": None,
+        "decoder_first_pipeline_num_layers": config.model.first_stage_layers,
+        "decoder_last_pipeline_num_layers": config.model.last_stage_layers,
+        "dtype": config.model.dtype,
+        "distributed_optimizer": config.optimizer.use_distributed_optimizer,
+        "optimizer_offload_fraction": (
+            config.optimizer.offload_fraction if config.optimizer.cpu_offload else 0.0
+        ),
+        "recompute": "full" if config.model.recompute else "none",
+        "micro_batch_tokens": micro * length,
+        "micro_batch_sequences": micro,
+        "routing_replay": replay,
+        "routing_codec": config.replay.dtype,
+        "routing_tokens": None,
+        "routing_responses": config.samples_per_rollout if replay != "off" else None,
+        "routing_response_tokens": length if replay != "off" else None,
+        "reference": "gpu" if config.objective.kl_coef > 0 else "off",
+        "spec": "local" if config.model.spec == "local" else "te",
+        "colocated": config.engine.colocate,
+        "server_tp": config.engine.sglang_engine_ranks,
+    }
+    if "model" not in given:
+        values["model"] = config.task.model
+    if world_size is not None:
+        values.update(world_size=world_size, dp=None, gpus_per_node=gpus_per_node)
+    return argparse.Namespace(**{**vars(args), **values})
+
+
+def _split_launcher(command: list[str]) -> tuple[list[str], int | None, int | None]:
+    """``(trainer flags, world size, GPUs per node)`` of ``command``: the flags themselves
+    (no world size), or a command that runs ``-m megatron_rl.train`` (torchrun's
+    ``--nnodes`` x ``--nproc-per-node``; 1 x 1 where it gives none)."""
+    if "megatron_rl.train" not in command:
+        return command, None, None
+    at = command.index("megatron_rl.train")
+    launcher = command[:at]
+    if not launcher or Path(launcher[0]).name != "torchrun":
+        return command[at + 1 :], None, None
+
+    def value(flag: str) -> int:
+        for i, word in enumerate(launcher):
+            if word == flag and i + 1 < len(launcher):
+                return int(launcher[i + 1])
+            if word.startswith(flag + "="):
+                return int(word.split("=", 1)[1])
+        return 1
+
+    nodes, per_node = value("--nnodes"), value("--nproc-per-node")
+    return command[at + 1 :], nodes * per_node, per_node
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--model",
@@ -177,7 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     colocated.add_argument("--host-gib", type=float, default=2048.0, help="host memory per node")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return parser.parse_args(argv)
+    return parser
 
 
 def build_plan(args: argparse.Namespace) -> MemoryPlan:
@@ -352,8 +481,8 @@ def render_colocated(colocated: ColocatedPlan, console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         plan = build_plan(args)
         colocated = build_colocated(args, plan) if args.colocated else None
     except ValueError as err:

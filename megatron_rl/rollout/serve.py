@@ -13,6 +13,13 @@ sglang-router serves none of the pause / weight-update routes). The process then
 SIGTERM or SIGINT stops every server it started (their process groups only).
 ``--dry-run`` prints the commands and exits.
 
+``--memory-saver`` starts servers whose memory a colocated trainer (``--colocate``) releases and
+resumes: SGLang's ``--enable-memory-saver``, ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` so that the
+``cuda_graph`` tag frees the CUDA graphs' memory too (without it the tag frees nothing), and
+``--disable-prefill-cuda-graph``, since SGLang's breakable prefill graph backend (its default on
+CUDA) refuses the memory saver's graph pool. ``--python`` names the servers' interpreter (default:
+this one).
+
 ``--heartbeat-file PATH`` ties the servers to a training job on other nodes: the job rewrites PATH
 (on a filesystem every node sees) every few seconds and removes it when it ends. The servers are
 stopped when PATH is removed (exit 0: the job ended) or when its content has not changed for
@@ -54,6 +61,13 @@ HEARTBEAT_REMOVED = 0  # exit status: the training job removed its heartbeat (a 
 HEARTBEAT_STALE = 1  # exit status: the heartbeat stopped changing (the job or its node is gone)
 SERVER_DIED = 2  # exit status: a server this process started exited on its own
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# A server whose memory a colocated trainer releases and resumes (`/release_memory_occupation`):
+# torch_memory_saver's regions; the CUDA graphs' pool joins them only under the environment
+# variable, and SGLang's breakable prefill graph backend (its default on CUDA) then refuses to
+# start, so the prefill graphs are off (SGLang 0.5.23 flags; slime sets the same variable).
+MEMORY_SAVER_ARGS = ("--enable-memory-saver", "--disable-prefill-cuda-graph")
+MEMORY_SAVER_ENV = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
 
 
 class Heartbeat:
@@ -115,10 +129,13 @@ def _plan(args) -> list[tuple[list[str], dict, str, str]]:
             ep_size=args.ep_size,
             mem_fraction_static=args.mem_fraction_static,
             return_routed_experts=args.routed_experts,
+            extra_args=MEMORY_SAVER_ARGS if args.memory_saver else (),
         )
         gpus = range(i * args.gpus_per_server, (i + 1) * args.gpus_per_server)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
-        plan.append((server_command(config), env, config.url, "URL"))
+        if args.memory_saver:
+            env.update(MEMORY_SAVER_ENV)
+        plan.append((server_command(config, args.python), env, config.url, "URL"))
         urls.append(config.url)
     if args.router_port:
         url = f"http://{args.host}:{args.router_port}"
@@ -138,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--router-port", type=int, default=0, help="0: no sglang-router")
     parser.add_argument("--mem-fraction-static", type=float, default=0.7)
     parser.add_argument("--routed-experts", action="store_true", help="R3: return routes")
+    parser.add_argument(
+        "--memory-saver",
+        action="store_true",
+        help="colocated servers: SGLang's memory saver, CUDA graphs included (see above)",
+    )
+    parser.add_argument("--python", default=sys.executable, help="the servers' interpreter")
     parser.add_argument("--health-timeout", type=float, default=900.0)
     parser.add_argument(
         "--health-probe-timeout",

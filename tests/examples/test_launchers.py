@@ -74,7 +74,10 @@ def _dry_run(node_rank: int, script: Path = SCRIPT, **env) -> str:
     return result.stdout
 
 
-@pytest.mark.parametrize("script", sorted(EXAMPLES.iterdir()), ids=lambda p: p.name)
+LAUNCHER_FILES = sorted(p for p in EXAMPLES.rglob("*") if p.suffix in (".sh", ".sbatch"))
+
+
+@pytest.mark.parametrize("script", LAUNCHER_FILES, ids=lambda p: str(p.relative_to(EXAMPLES)))
 def test_launcher_is_valid_bash(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
@@ -555,12 +558,17 @@ def _colocated(node_rank: int, **env) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def _server_argv(out: str) -> list[str]:
-    """The SGLang server command of a colocated node's DRY_RUN output (started in the
-    background: the line ends with ``&``)."""
+def _server_env_and_argv(out: str) -> tuple[dict[str, str], list[str]]:
+    """The SGLang server command of a colocated node's DRY_RUN output (as
+    `megatron_rl.rollout.serve --dry-run` prints it: ``NAME=VALUE ... python -m ...``)."""
     (line,) = [line for line in out.splitlines() if "sglang.launch_server" in line]
-    assert line.endswith(" &")
-    return shlex.split(line[:-2])
+    words = shlex.split(line)
+    env = dict(word.split("=", 1) for word in words if "=" in word and not word.startswith("-"))
+    return env, [word for word in words if word.split("=", 1)[0] not in env]
+
+
+def _server_argv(out: str) -> list[str]:
+    return _server_env_and_argv(out)[1]
 
 
 def test_colocated_every_node_trains_and_serves_on_its_own_gpus():
@@ -573,9 +581,12 @@ def test_colocated_every_node_trains_and_serves_on_its_own_gpus():
         server = next(i for i, line in enumerate(lines) if "sglang.launch_server" in line)
         train = next(i for i, line in enumerate(lines) if line.startswith("torchrun "))
         assert server < train  # the server sizes its KV pool before the trainer allocates
-        assert "# would wait up to 900 s for http://127.0.0.1:30000/health" in out
-        argv = _server_argv(out)
-        assert "--enable-memory-saver" in argv
+        assert (
+            "# would start it in the background, wait up to 900 s until it answers /health" in out
+        )
+        env, argv = _server_env_and_argv(out)
+        assert "--enable-memory-saver" in argv and "--disable-prefill-cuda-graph" in argv
+        assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"  # the cuda_graph tag frees memory
         for flag, value in (("--tp-size", "8"), ("--ep-size", "8"), ("--host", "0.0.0.0")):
             assert argv[argv.index(flag) + 1] == value
         assert argv[argv.index("--mem-fraction-static") + 1] == "0.76"  # the plan's, 80 GiB
@@ -604,29 +615,68 @@ def test_colocated_server_command_is_the_server_launchers_plus_the_memory_saver(
         ep_size=8,
         mem_fraction_static=0.86,
         return_routed_experts=replay == "r3",
-        extra_args=("--enable-memory-saver",),
+        extra_args=("--enable-memory-saver", "--disable-prefill-cuda-graph"),
     )
     assert argv[1:] == server_command(config)[1:]  # all but the interpreter's path
     trainer = _trainer_config(_train_argv(_colocated(0, REPLAY=replay).stdout))
     assert trainer.replay.mode == replay
 
 
-def test_colocated_sglang_flags_exist_in_the_installed_sglang():
-    """``--enable-memory-saver`` and ``--mem-fraction-static`` are SGLang's own flags (its
-    dataclass fields, whose names become the flags), in the lean server venv when present."""
-    fields = sorted(
-        ROOT.glob(".venv-sglang/lib/python*/site-packages/sglang/srt/arg_groups/fields")
-    )
-    if not fields:
-        pytest.skip("no .venv-sglang (make sglang-env)")
-    assert "\n    enable_memory_saver: A[" in (fields[0] / "exec_.py").read_text()
-    assert "\n    mem_fraction_static: A[" in (fields[0] / "schedule.py").read_text()
+def _sglang_sources() -> list[Path]:
+    """The ``sglang/srt`` folders of the installed SGLang: the lean server venv's and this
+    interpreter's (located without importing sglang, which needs its server's packages)."""
+    import importlib.util
+
+    folders = sorted(ROOT.glob(".venv-sglang/lib/python*/site-packages/sglang/srt"))
+    spec = importlib.util.find_spec("sglang")
+    if spec is not None and spec.origin is not None:
+        folders.append(Path(spec.origin).parent / "srt")
+    return [folder for folder in folders if (folder / "arg_groups" / "fields").is_dir()]
+
+
+def _server_arg_fields(srt: Path) -> set[str]:
+    """The field names of SGLang's `ServerArgs` (its ``arg_groups/fields`` dataclasses, whose
+    names become the flags: ``enable_memory_saver`` is ``--enable-memory-saver``)."""
+    import ast
+
+    names = set()
+    for path in (srt / "arg_groups" / "fields").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return names
+
+
+def test_colocated_sglang_flags_and_environment_exist_in_the_installed_sglang():
+    """Every SGLang flag and variable the colocated server gets is SGLang's own (0.5.23): the
+    memory saver, the switch that keeps the breakable prefill CUDA-graph backend (which refuses
+    the memory saver's graph pool) off, the KV fraction, and ``SGLANG_MEMORY_SAVER_CUDA_GRAPH``
+    (without it the ``cuda_graph`` release tag frees nothing)."""
+    from megatron_rl.rollout.serve import MEMORY_SAVER_ARGS, MEMORY_SAVER_ENV
+
+    sources = _sglang_sources()
+    if not sources:
+        pytest.skip("no installed sglang sources (make sglang-env)")
+    env, argv = _server_env_and_argv(_colocated(0).stdout)
+    flags = [word for word in argv if word.startswith("--")]
+    assert set(MEMORY_SAVER_ARGS) <= set(flags) and MEMORY_SAVER_ENV.items() <= env.items()
+    for srt in sources:
+        fields = _server_arg_fields(srt)
+        for flag in flags:
+            assert flag.removeprefix("--").replace("-", "_") in fields, (srt, flag)
+        environ = (srt / "environ.py").read_text()
+        for name in MEMORY_SAVER_ENV:
+            assert f"\n    {name} = EnvBool(" in environ, (srt, name)
+        breakable = srt / "model_executor/runner_backend/breakable_cuda_graph_backend.py"
+        assert "not compatible with memory saver" in breakable.read_text()
 
 
 @pytest.mark.parametrize(
     ("env", "message"),
     [
         ({"ASYNC": "2"}, "ASYNC=2: colocated mode is synchronous"),
+        ({"ARM": "ctpo"}, "ARM=ctpo: colocated mode is synchronous"),
+        ({"MASK_STALE": "1"}, "MASK_STALE=1: colocated mode is synchronous"),
         ({"RECIPE": "epic-paper"}, "RECIPE=epic-paper: colocated mode is synchronous"),
         ({"PARTIAL": "1"}, "PARTIAL=1: colocated mode is synchronous"),
         ({"NODE_HOSTS": "node0 node1"}, "NODE_HOSTS has 2 hosts (node0 node1); this job needs 4"),
@@ -697,11 +747,28 @@ def test_colocated_slurm_entry_runs_every_node_as_trainer_and_server(tmp_path):
     assert sorted(nodes) == [0, 1, 2, 3]
     for rank, out in nodes.items():
         assert "--enable-memory-saver" in _server_argv(out)
+        assert "torchrun --nnodes 4 " in out
         argv = _train_argv(out)
         assert argv[argv.index("--node-rank") + 1] == str(rank)
         assert argv[argv.index("--master-addr") + 1] == "gpu01"
         urls = _trainer_config(argv).engine.sglang_url
         assert urls == tuple(f"http://{host}:30000" for host in hosts)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_colocated_slurm_entry_takes_any_number_of_nodes(tmp_path, count):
+    hosts = [f"gpu{i:02d}" for i in range(1, count + 1)]
+    result = _slurm_dry_run(tmp_path, hosts, SBATCH_COLOCATED)
+    assert result.returncode == 0, result.stderr
+    head, nodes = _per_node(result.stdout)
+    assert f"--nodes={count}" in shlex.split(head.strip()) and sorted(nodes) == list(range(count))
+    for rank, out in nodes.items():
+        argv = _train_argv(out)
+        assert argv[argv.index("--nnodes") + 1] == str(count)
+        assert argv[argv.index("--node-rank") + 1] == str(rank)
+        config = _trainer_config(argv)
+        assert config.engine.sglang_url == tuple(f"http://{host}:30000" for host in hosts)
+        assert config.data_parallel_size(8 * count) == 4 * count  # TP 2
 
 
 FAKE_SERVER = """

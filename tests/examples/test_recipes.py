@@ -130,3 +130,18 @@ def test_a_staleness_that_does_not_fill_whole_prompts_is_refused():
     with pytest.raises(ValueError, match="staleness 0"):
         VESPO_PAPER.flags("vespo", scale=True, staleness=0)
     assert EPIC_PAPER.flags("epic", scale=True)[-1] == "64"
+
+
+@pytest.mark.parametrize("loss", ["epic", "grpo", "dapo", "gspo", "gspo_token", "vespo", "ctpo"])
+def test_the_launchers_kl_default_is_the_recipes_policy(loss):
+    """The launchers' --kl-coef without KL_COEF is `default_kl_coef` (EPIC's 1e-3 for epic and its
+    baselines, 0 otherwise), read from megatron_rl/recipes.py rather than a bash table."""
+    from megatron_rl.recipes import default_kl_coef
+
+    assert default_kl_coef(loss) == (
+        1e-3 if loss in ("epic", "grpo", "dapo", "gspo", "gspo_token") else 0.0
+    )
+    config = _trainer_config(_train_argv(_dry_run(0, LOSS=loss)))
+    assert config.objective.kl_coef == default_kl_coef(loss)
+    script = (ROOT / "examples" / "qwen3_moe" / "common.sh").read_text()
+    assert "--kl-default" in script and 'case "${LOSS}"' not in script

@@ -1,0 +1,105 @@
+"""tools/memory_plan.py -- TRAINER_COMMAND: the plan of the command a launcher runs, read by the
+trainer's own parser, is the plan the tool's own flags gave for the same layout; a flag given
+both ways, or a command the trainer refuses, is an error."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from memory_plan_testing import ROOT, load_tool
+
+EXAMPLES = ROOT / "examples" / "qwen3_moe"
+
+
+def _launcher_torchrun(script: str, **env: str) -> list[str]:
+    """The torchrun line a launcher prints for node 0 (DRY_RUN=1)."""
+    environment = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HF_CKPT": "/shared/checkpoint",
+        "PROMPTS": "/shared/prompts.parquet",
+        "NODE_RANK": "0",
+        "DRY_RUN": "1",
+        **env,
+    }
+    out = subprocess.run(
+        ["bash", str(EXAMPLES / script)], cwd=ROOT, env=environment, capture_output=True,
+        text=True, check=True, timeout=120,
+    ).stdout  # fmt: skip
+    (line,) = [line for line in out.splitlines() if line.startswith("torchrun ")]
+    return shlex.split(line)
+
+
+def _plan(capsys, argv: list[str]) -> dict:
+    assert load_tool().main(["--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_235b_launchers_command_plans_as_the_tools_own_flags(capsys):
+    """The fullest arm (KL reference, R2 recordings of all 512 samples): TP4+SP PP4 23/24/24/23
+    EP8 on 4 x 8 GPUs, all of the Adam state offloaded, 18,432-token micro-batches."""
+    torchrun = _launcher_torchrun(
+        "run_qwen3_235b_a22b.sh",
+        MASTER_ADDR="node0", ROLLOUT_HOSTS="node4 node5 node6 node7", LOSS="epic", REPLAY="r2",
+    )  # fmt: skip
+    from_command = _plan(capsys, ["--model", "qwen3-235b-a22b", "--gpu-gib", "80", "--", *torchrun])
+    own = "--model qwen3-235b-a22b --tp 4 --pp 4 --ep 8 --world-size 32 --sp "
+    own += "--decoder-first-pipeline-num-layers 23 --decoder-last-pipeline-num-layers 23 "
+    own += "--optimizer-offload-fraction 1 --micro-batch-tokens 18432 --routing-replay r2 "
+    own += "--routing-responses 512 --routing-response-tokens 18432 --reference gpu --gpu-gib 80"
+    assert from_command == _plan(capsys, own.split())
+    assert from_command["layout"]["pipeline_layers"] == [23, 24, 24, 23] and from_command["fits"]
+    # a change on the launcher's command line is a change of the plan: no offload, no fit
+    at = torchrun.index("--optimizer-cpu-offload")
+    no_offload = torchrun[:at] + torchrun[at + 3 :]
+    assert not _plan(capsys, ["--model", "qwen3-235b-a22b", "--", *no_offload])["fits"]
+
+
+@pytest.mark.parametrize(("gpu_gib", "fraction"), [("80", 0.76), ("141", 0.86)])
+def test_the_colocated_launchers_command_gives_its_mem_fraction(capsys, gpu_gib, fraction):
+    torchrun = _launcher_torchrun(
+        "run_qwen3_30b_a3b_colocated.sh", NODE_HOSTS="node0 node1 node2 node3"
+    )
+    plan = _plan(capsys, ["--model", "qwen3-30b-a3b", "--gpu-gib", gpu_gib, "--", *torchrun])
+    own = "--model qwen3-30b-a3b --tp 2 --ep 8 --world-size 32 --micro-batch-tokens 18432 "
+    own += f"--gpu-gib {gpu_gib} --colocated --server-tp 8"
+    assert plan == _plan(capsys, own.split())
+    assert plan["colocated"]["mem_fraction_static"] == fraction
+
+
+def test_bare_trainer_flags_take_the_world_size_from_the_tool(capsys):
+    flags = "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 8 "
+    flags += "--bf16 --recompute-granularity full --micro-batch-size 2 --max-prompt-length 1024 "
+    flags += "--max-response-length 3072 --global-batch-size 64 --rollout-batch-size 16"
+    plan = _plan(capsys, ["--model", "qwen3-30b-a3b", "--world-size", "16", "--", *flags.split()])
+    assert plan["layout"]["data_parallel"] == 8
+    assert plan["options"]["micro_batch_tokens"] == 2 * (1024 + 3072)
+
+
+@pytest.mark.parametrize(
+    ("own", "message"),
+    [
+        (["--tp", "4"], "--tp: the trainer's command after -- decides this"),
+        (["--world-size", "16"], "--world-size: the trainer's command after -- decides this"),
+    ],
+)
+def test_a_value_given_both_ways_is_refused(capsys, own, message):
+    torchrun = _launcher_torchrun("run_qwen3_30b_a3b.sh", MASTER_ADDR="n0", ROLLOUT_HOSTS="a b")
+    assert load_tool().main(["--model", "qwen3-30b-a3b", *own, "--", *torchrun]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_command_the_trainer_refuses_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:  # the trainer's own argparse error
+        load_tool().main(["--model", "qwen3-30b-a3b", "--", "--no-such-flag"])
+    assert exit_info.value.code == 2
+    assert "--no-such-flag" in capsys.readouterr().err
+    flags = ["--max-prompt-length", "8", "--global-batch-size", "7"]  # not a multiple of 32
+    assert load_tool().main(["--model", "tiny", "--", *flags]) == 2
+    assert "--global-batch-size" in capsys.readouterr().err
