@@ -18,6 +18,7 @@ against ~0.3 GB/s for ``isfinite(t).all()``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -155,11 +156,22 @@ def first_nonfinite(flat: torch.Tensor, slots: Sequence[Slot]) -> str | None:
 
 
 def nonfinite_name(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """Name of the first floating tensor holding NaN or Inf, else None (one pass each)."""
-    for name, tensor in named:
-        if tensor.is_floating_point() and tensor.numel() and not _finite(tensor.reshape(-1)):
-            return name
-    return None
+    """Name of the first floating tensor holding NaN or Inf, else None.
+
+    One fused max-abs pass (``torch._foreach_norm`` with ord inf: NaN and Inf propagate, no
+    overflow) per dtype and device, instead of a reduction launched per tensor.
+    """
+    floating = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, (_, tensor) in enumerate(floating):
+        groups.setdefault((tensor.dtype, tensor.device), []).append(i)
+    bad = []
+    for indices in groups.values():
+        norms = torch.stack(torch._foreach_norm([floating[i][1] for i in indices], math.inf))
+        finite = torch.isfinite(norms)
+        if not bool(finite.all()):
+            bad.append(indices[int((~finite).nonzero()[0])])
+    return floating[min(bad)][0] if bad else None
 
 
 def _finite(values: torch.Tensor) -> bool:

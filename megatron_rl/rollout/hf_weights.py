@@ -62,7 +62,7 @@ def stage_weights(
     `apply_staged`.
     """
     params = hf_param_table(model)
-    staged = []
+    staged, names = [], []
     for name, tensor in named_tensors:
         target = resolve(params, name)
         if tuple(target.shape) != tuple(tensor.shape):
@@ -70,9 +70,11 @@ def stage_weights(
                 f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
                 f"{tuple(target.shape)}"
             )
-        if check_finite and nonfinite_name([(name, tensor)]) is not None:
-            raise ValueError(f"weight {name!r} holds non-finite values")
         staged.append((target, tensor.detach()))
+        names.append(name)
+    bad = nonfinite_name(zip(names, (s for _, s in staged), strict=True)) if check_finite else None
+    if bad is not None:
+        raise ValueError(f"weight {bad!r} holds non-finite values")
     return staged
 
 

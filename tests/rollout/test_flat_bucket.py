@@ -58,3 +58,21 @@ def test_large_finite_values_pass_where_a_sum_would_overflow():
     flat = torch.empty(big.numel() * 2, dtype=torch.uint8)
     slots = flat_bucket.pack([("big", big)], flat)
     assert flat_bucket.first_nonfinite(flat, slots) is None
+
+
+def test_nonfinite_name_reports_the_first_bad_tensor_in_stream_order_across_dtypes():
+    from megatron_rl.rollout.flat_bucket import nonfinite_name
+
+    named = [
+        ("a", torch.ones(3)),
+        ("b", torch.ones(2, dtype=torch.bfloat16)),
+        ("ids", torch.arange(4)),  # integers are never checked
+        ("c", torch.tensor([1.0, float("nan")])),
+        ("d", torch.tensor([float("-inf")], dtype=torch.bfloat16)),
+        ("empty", torch.empty(0)),
+    ]
+    assert nonfinite_name(named) == "c"
+    assert nonfinite_name(named[:3] + named[4:]) == "d"
+    assert nonfinite_name(named[:3]) is None
+    huge = torch.full((4,), 3e38)  # finite values whose squares overflow: still finite
+    assert nonfinite_name([("huge", huge)]) is None
