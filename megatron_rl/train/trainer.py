@@ -45,7 +45,6 @@ from megatron_rl.collectives import (
 from megatron_rl.losses import rollout_correction
 from megatron_rl.losses.clip_positions import clip_profile_from_counts
 from megatron_rl.model import build_model
-from megatron_rl.model.conversion import iter_hf_tensors, iter_hf_tensors_every_stage
 from megatron_rl.model.conversion.seeded_init import init_from_seed
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.rollout.protocol import RolloutEngine
@@ -73,6 +72,7 @@ from megatron_rl.train.rollout_source import RolloutHooks, RolloutSource, SyncRo
 from megatron_rl.train.sync_wait import SyncWait, hf_model_bytes, weight_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
 from megatron_rl.train.token_versions import fresh_token_mask, token_staleness_metrics
+from megatron_rl.train.weight_publisher import PolicyShard, build_weight_publisher
 
 logger = logging.getLogger(__name__)
 
@@ -168,24 +168,14 @@ class Trainer:
         if self.is_generator and not engine_config.remote:
             self.engine = self._build_engine()
             self.pushes_weights = True
-        # pipeline stages over the distributed transport: each stage's first rank broadcasts
-        # its own tensors (weight_sync/stages.py), rank 0 drives them
-        self.stage_senders: list = []  # rank 0: stages 1.. (RemoteStage)
-        self.stage_sender = None  # a stage's first rank (StageSender)
-        if (
-            engine_config.remote
-            and self.pp > 1
-            and engine_config.per_stage_senders
-            and engine_config.weight_sync_transport == "distributed"
-        ):
-            self.stage_senders, self.stage_sender = _stage_senders(self.pp_group, self.engine)
-        # --colocate: each server loads from the trainer ranks on its own GPUs
-        # (weight_sync/rank_handles.py): every rank stages every bucket
-        self.handle_link = None
-        if engine_config.colocate:
-            from megatron_rl.rollout.weight_sync.rank_handles import HandleLink
-
-            self.handle_link = HandleLink(self.engine.config.sync, len(engine_config.sglang_url))
+        # this rank's part in every weight sync, chosen once (train/weight_publisher.py)
+        self.publisher = build_weight_publisher(
+            engine_config,
+            PolicyShard(self.model.module, self.hf_config),
+            self.engine,
+            owns_engine=self.pushes_weights,
+            pipeline_group=self.pp_group if self.pp > 1 else None,
+        )
         self.step_index = 0
         self.weight_version = 0
         self.carry_over = self._carry_over()
@@ -660,46 +650,13 @@ class Trainer:
 
     def sync_weights(self, version: int) -> None:
         """Push the policy to the engine as weight ``version`` (every rank streams its shard)."""
-        pushes = self.pushes_weights
-        if self.handle_link is not None:  # colocated: every rank hands its own GPU's copy
-            stream = iter_hf_tensors_every_stage(
-                self.model.module, self.hf_config, wanted=True, experts_last=True
-            )
-            if pushes:
-                self.engine.update_weights(stream, version=version, peers=self.handle_link)
-            else:
-                from megatron_rl.rollout.weight_sync.rank_handles import serve_handles
-                from megatron_rl.rollout.weight_sync.tensor import bucket_object, serializer
-
-                serve_handles(self.handle_link, stream, version, serializer(), bucket_object)
-        elif self.stage_senders or self.stage_sender is not None:
-            # every stage sends its own tensors over its own group; rank 0 drives them
-            stream = iter_hf_tensors(self.model.module, self.hf_config, experts_last=True)
-            if pushes:
-                self.engine.update_weights(stream, version=version, stages=self.stage_senders)
-            elif self.stage_sender is not None:
-                self.stage_sender.serve(stream, version)
-            else:
-                for _ in stream:  # the gathers are collectives: take part, drop the tensors
-                    pass
-        elif pushes:
-            # pipeline stages: the pushing rank (stage 0) receives the other stages' tensors
-            stream = iter_hf_tensors_every_stage(
-                self.model.module, self.hf_config, wanted=True, experts_last=True
-            )
-            self.engine.update_weights(stream, version=version)
-        else:
-            stream = iter_hf_tensors_every_stage(
-                self.model.module, self.hf_config, wanted=False, experts_last=True
-            )
-            for _ in stream:  # the gathers are collectives: take part, drop the tensors
-                pass
+        self.publisher.publish(version)
         self.weight_version = version
         # remote server membership (dead servers are dropped, the run goes on): rank 0's
         # numbers on every rank, so every rank reports the same metric keys
         self.sync_metrics: dict[str, float] = {}
         if self.sync_wait is not None:
-            membership = self.engine.membership_metrics() if pushes else None
+            membership = self.engine.membership_metrics() if self.pushes_weights else None
             self.sync_metrics = dict(self.sync_wait.share(membership) or {})
 
     def state_dict(self) -> dict:
@@ -746,27 +703,11 @@ class Trainer:
         if getattr(self, "colocation", None) is not None:  # the servers get back their memory
             self.colocation.close()
         self.replay.close()
-        for stage in self.stage_senders:
-            stage.close()
-        if self.stage_sender is not None:
-            self.stage_sender.close()
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
         if self.engine is not None:
             self.engine.close()
         destroy_distributed()
-
-
-def _stage_senders(pipeline_group, engine) -> tuple[list, object]:
-    """(rank 0: the other stages' `RemoteStage`s, a stage's first rank: its `StageSender`);
-    ``([], None)`` on the other ranks. Collective over the world (a gloo group is made)."""
-    from megatron_rl.rollout.weight_sync.stages import RemoteStage, StageLink, StageSender
-
-    link = StageLink.of_pipeline(pipeline_group)
-    stage = link.stage_of(dist.get_rank())
-    if stage == 0:
-        return [RemoteStage(link, s) for s in range(1, len(link.ranks))], None
-    if stage is not None:
-        return [], StageSender(link, stage, engine.config.sync)
-    return [], None
 
 
 def _env_world_size() -> int:
