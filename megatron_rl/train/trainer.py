@@ -21,7 +21,6 @@ Engine's attention and is not implemented.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -48,16 +47,12 @@ from megatron_rl.model import build_model
 from megatron_rl.model.conversion.seeded_init import init_from_seed
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.rollout.protocol import RolloutEngine
-from megatron_rl.routing import RoutingCodec
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
-from megatron_rl.train.async_rollout import AsyncRollouts, generator_barrier
 from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
-from megatron_rl.train.carry_over import CarryOver
 from megatron_rl.train.colocate import Colocation, release_generation_memory
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
 from megatron_rl.train.engines import build_engine
 from megatron_rl.train.learning_guard import LearningGuard
 from megatron_rl.train.logprobs import token_entropy, token_logprobs
@@ -67,8 +62,7 @@ from megatron_rl.train.objective import objective
 from megatron_rl.train.offload import TrainerOffload
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.reference import ReferencePolicy
-from megatron_rl.train.rollout_phase import rollout_params, run_rollout, score_rollout
-from megatron_rl.train.rollout_source import RolloutHooks, RolloutSource, SyncRollouts
+from megatron_rl.train.rollout_manager import RolloutManager, rank_place
 from megatron_rl.train.sync_wait import SyncWait, hf_model_bytes, weight_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
 from megatron_rl.train.token_versions import fresh_token_mask, token_staleness_metrics
@@ -114,9 +108,7 @@ class Trainer:
         self.is_generator = dist.get_rank() == self.mp_src
         self.seq_multiple = parallel.tensor_parallel if parallel.sequence_parallel else 1
         task = task if task is not None else build_task(config.task)
-        self.tokenizer, self.records, self.reward_fn = task.tokenizer, task.records, task.reward_fn
-        self.sampler = task.new_sampler()
-        self.hf_config = task.hf_config
+        self.tokenizer, self.hf_config = task.tokenizer, task.hf_config
         # remote servers first (an SGLang client touches no RNG): colocated, they release
         # their generation memory before the model is built; the in-process engine is built
         # after the model, whose initialisation it must not move
@@ -141,7 +133,6 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.objective = config.objective
-        self.rollout_config = config.rollout
         self.reference = self._build_reference(options) if config.objective.kl_coef > 0 else None
         self.replay = build_replay_passes(
             self.model,
@@ -164,7 +155,6 @@ class Trainer:
             reward=config.task.reward,
             temperature=config.rollout.temperature,
         )
-        self.reward_error: str | None = None  # the latest rollout's first failed reward, if any
         if self.is_generator and not engine_config.remote:
             self.engine = self._build_engine()
             self.pushes_weights = True
@@ -178,13 +168,9 @@ class Trainer:
         )
         self.step_index = 0
         self.weight_version = 0
-        self.carry_over = self._carry_over()
-        # --carry-over-groups: False until the pool holds its M carried groups (the first draw
-        # after it is empty draws B + M prompts, later ones B)
-        self.carry_primed = False
-        self.rollouts = self._rollout_source()
-        self.dynamic_sampling = self._dynamic_sampling()
-        self.trained_prompts: list[int] = []  # this rank's prompts of the last step
+        # prompts, generation schedule, refill, carry-over (train/rollout_manager.py)
+        place = rank_place(self.dp, self.dp_rank, self.dp_group, self.mp_src, self.mp_group)
+        self.rollouts = RolloutManager(config, task, self.engine, place)
         # remote: the other ranks wait for rank 0's push (see train/sync_wait.py)
         self.sync_wait = None
         if engine_config.remote:
@@ -222,18 +208,11 @@ class Trainer:
         if self.colocation is not None:  # the trainer leaves the GPUs to the servers
             self.colocation.before_rollout()
         batch = self.rollouts.take(self.step_index, self.weight_version)
-        if self.dynamic_sampling is not None:  # drop groups without signal, refill the batch
-            batch = self.dynamic_sampling.fill(batch)
         if self.colocation is not None:  # and takes them back
             self.colocation.before_train()
         if should_stop is not None and should_stop():
-            self.rollouts.clear()  # batches drawn ahead are drawn again after a resume
-            self.sampler.load_state_dict(batch.sampler_before)
+            self.rollouts.abandon(batch)  # drawn again after a resume
             return None
-        self.trained_prompts = batch.prompts
-        if self.config.rollout.carry_over_groups:  # the finished groups, not the drawn ones
-            n = self.config.rollout.n_samples_per_prompt
-            self.trained_prompts = [s.prompt_index for s in batch.samples[::n]]
         metrics = batch.metrics
         metrics["time/rollout"] = time.perf_counter() - start
         if self.step_index + 1 < self.config.schedule.train_iters:  # not after the run's last step
@@ -264,7 +243,7 @@ class Trainer:
         reduced.update(clip_profile_from_counts(reduced))
         self.learning.record(reduced, self.step_index)  # the same decision on every rank
         if self.learning.reward_exhausted:  # name the first error any generator rank saw
-            errors = all_gather_objects(self.reward_error)
+            errors = all_gather_objects(self.rollouts.reward_error)
             self.learning.first_error = next((e for e in errors if e is not None), None)
         return reduced
 
@@ -272,27 +251,6 @@ class Trainer:
         """This data-parallel rank's samples of the next prompt batch, and rollout metrics."""
         batch = self.rollouts.take(self.step_index, self.weight_version)
         return batch.samples, batch.metrics
-
-    def _rollout_source(self) -> RolloutSource:
-        """Rollouts generated when a step asks, or ahead of it (``--async-rollout``)."""
-        hooks = RolloutHooks(
-            sampler=self.sampler,
-            draw=self._draw_prompts,
-            generate=self._generate if self.is_generator else None,
-            share=functools.partial(broadcast_object, src=self.mp_src, group=self.mp_group),
-        )
-        if self.config.rollout.async_rollout:
-            # shared servers: rank 0's pause at the sync reaches every rank's requests
-            shared = self.config.engine.remote
-            return AsyncRollouts(
-                hooks,
-                max_staleness=self.config.rollout.max_staleness,
-                last_index=self.config.schedule.train_iters,
-                partial=self.config.rollout.partial_rollout,
-                regenerate_stale=self.config.rollout.carry_over_groups == 0,
-                barrier=generator_barrier(self.is_generator) if shared else None,
-            )
-        return SyncRollouts(hooks)
 
     def _build_engine(self) -> RolloutEngine:
         """The configured engine, once its servers answer (`train.engines.build_engine`)."""
@@ -313,110 +271,6 @@ class Trainer:
             return None
         offload = TrainerOffload(self.model, self.optimizer, device=self.device)
         return Colocation(offload, self.engine if self.pushes_weights else None)
-
-    def _dynamic_sampling(self) -> DynamicSampling | None:
-        """The refill of ``--dynamic-sampling`` (`megatron_rl.train.dynamic_sampling`), or None."""
-        rollout = self.config.rollout
-        if not rollout.dynamic_sampling:
-            return None
-        share = functools.partial(broadcast_object, src=self.mp_src, group=self.mp_group)
-
-        def generate(prompts: list[int], round_index: int):
-            index = self.step_index
-            return share(self._generate(prompts, index, round_index) if self.is_generator else None)
-
-        return DynamicSampling(
-            batch_groups=rollout.rollout_batch_size,
-            group_size=rollout.n_samples_per_prompt,
-            ratio=rollout.over_sampling_ratio,
-            max_rounds=rollout.dynamic_sampling_max_rounds,
-            drop_overlong=rollout.drop_overlong_groups,
-            dp=self.dp,
-            dp_rank=self.dp_rank,
-            dp_group=self.dp_group if self.dp > 1 else None,
-            draw=self._draw_prompts,
-            generate=generate,
-        )
-
-    def _carry_over(self) -> CarryOver | None:
-        """The generator's rollout pool of ``--carry-over-groups`` (None when off or not the
-        generator rank); M and B must split evenly over data-parallel ranks."""
-        rollout = self.config.rollout
-        if not rollout.carry_over_groups:
-            return None
-        if rollout.carry_over_groups % self.dp:
-            raise ValueError(
-                f"--carry-over-groups {rollout.carry_over_groups} does not split over "
-                f"{self.dp} data-parallel ranks; use a multiple of {self.dp}"
-            )
-        if not self.is_generator:
-            return None
-        hf = self.hf_config
-        codec = None
-        if self.config.replay.mode == "r3":
-            codec = RoutingCodec(
-                int(hf.num_experts), int(hf.num_experts_per_tok), self.config.engine.routing_dtype
-            )
-        return CarryOver(
-            self.engine,
-            prompt_ids=lambda i: self.records[i].prompt_ids,
-            batch_groups=rollout.rollout_batch_size // self.dp,
-            carry_groups=rollout.carry_over_groups // self.dp,
-            group_size=rollout.n_samples_per_prompt,
-            round_tokens=rollout.round_tokens,
-            max_response_length=rollout.max_response_length,
-            codec=codec,
-        )
-
-    def _draw_prompts(self, count: int | None = None) -> list[int]:
-        """This data-parallel rank's share of the next ``count`` prompts (default: a rollout's,
-        ``rollout_batch_size``, or its over-sampled first draw with ``--dynamic-sampling``, or
-        the pool's M more with ``--carry-over-groups`` while it is empty)."""
-        if count is None:
-            rollout = self.config.rollout
-            count = rollout.rollout_batch_size
-            if rollout.dynamic_sampling:
-                count = first_draw(count, rollout.over_sampling_ratio, self.dp)
-            if rollout.carry_over_groups and not self.carry_primed:
-                count += rollout.carry_over_groups
-                self.carry_primed = True
-        indices = self.sampler.next_batch(count)
-        per_rank = count // self.dp
-        return indices[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-
-    def _generate(self, mine: list[int], rollout_index: int, round_index: int = 0):
-        """Generator rank: ``(samples, metrics)`` of prompts ``mine`` for rollout ``rollout_index``
-        and its refill round ``round_index`` (together, its sampling seed)."""
-        config = self.config
-        seed = config.parallel.seed * 1_000_003 + rollout_index * 1009 + self.dp_rank
-        if self.carry_over is not None:  # the pool's first finished groups
-            params = rollout_params(self.rollout_config, self.tokenizer, seed)
-            prompts, generated, pool_metrics = self.carry_over.generate(mine, rollout_index, params)
-            result = score_rollout(
-                generated,
-                [self.records[i] for i in prompts],
-                self.tokenizer,
-                self.reward_fn,
-                self.rollout_config,
-                engine=self.engine,
-                prompt_indices=prompts,
-            )
-            result.metrics.update(pool_metrics)
-            if result.reward_error is not None:
-                self.reward_error = result.reward_error
-            return result.samples, result.metrics
-        result = run_rollout(
-            self.engine,
-            [self.records[i] for i in mine],
-            self.tokenizer,
-            self.reward_fn,
-            self.rollout_config,
-            seed=seed + round_index * 7_919,
-            return_routes=config.replay.mode == "r3",
-        )
-        if result.reward_error is not None:
-            self.reward_error = result.reward_error
-        return result.samples, result.metrics
 
     def train_on(
         self, samples: list[TrainSample], should_stop: Callable[[], bool] | None = None
@@ -665,34 +519,17 @@ class Trainer:
         state = {
             "step": self.step_index,
             "weight_version": self.weight_version,
-            "sampler": self.rollouts.trained_sampler_state(),
             "bad_steps": self.nonfinite.consecutive,
             "learning": self.learning.state_dict(),
             "config": _jsonable(dataclasses.asdict(self.config)),
         }
-        if self.config.rollout.carry_over_groups:
-            mine = None
-            if self.carry_over is not None:  # as of the last trained step
-                mine = (self.dp_rank, self.carry_over.state_after(self.step_index - 1))
-            pools = dict(p for p in all_gather_objects(mine) if p is not None)
-            state["carry_over"] = [pools[r] for r in range(self.dp)]
+        state.update(self.rollouts.state_dict(self.step_index))
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.rollouts.clear()  # a batch drawn ahead (--async-rollout) is drawn again
         self.step_index = int(state["step"])
-        self.sampler.load_state_dict(state["sampler"])
+        self.rollouts.load_state_dict(state, self.step_index)
         self.nonfinite.consecutive = int(state.get("bad_steps", 0))
-        if self.config.rollout.carry_over_groups:
-            pools = state.get("carry_over") or [{"groups": []}] * self.dp
-            if len(pools) != self.dp:
-                raise ValueError(
-                    f"the checkpoint carries groups of {len(pools)} data-parallel ranks, this "
-                    f"run has {self.dp}: resume --carry-over-groups runs at the same DP size"
-                )
-            self.carry_primed = bool(pools[0]["groups"])
-            if self.carry_over is not None:
-                self.carry_over.load_state_dict(pools[self.dp_rank], self.step_index - 1)
         # a checkpoint from before the guard: assume the run had learned (never a false stop)
         self.learning.load_state_dict(state.get("learning", {"signal_seen": True}))
         # the engine gets the restored weights under their version

@@ -108,7 +108,7 @@ def test_sync_and_async_steps_share_one_body(tmp_path, monkeypatch):
         config = _tiny(tmp_path / f"async_{mode}", async_rollout=mode, train_iters=3)
         trainer = Trainer(config, **rendezvous(tmp_path, f"rdzv_{mode}"))
         try:
-            expected = _expected_batches(trainer.sampler, 2, 3)
+            expected = _expected_batches(trainer.rollouts.sampler, 2, 3)
             rows[mode] = [trainer.step() for _ in range(3)]
         finally:
             trainer.close()
@@ -134,7 +134,7 @@ def test_fifty_async_steps_train_every_prompt_once_within_the_staleness_bound(
     steps = 50
     trainer = Trainer(_tiny(tmp_path, train_iters=steps), **rendezvous(tmp_path))
     try:
-        expected = _expected_batches(trainer.sampler, 2, steps)
+        expected = _expected_batches(trainer.rollouts.sampler, 2, steps)
         rows = [trainer.step() for _ in range(steps)]
         assert trainer.weight_version == steps  # one sync per step
     finally:
@@ -159,7 +159,7 @@ def test_a_batch_beyond_max_staleness_is_dropped_and_regenerated(tmp_path, monke
     recorder = StepRecorder(monkeypatch)
     trainer = Trainer(_tiny(tmp_path, train_iters=4), **rendezvous(tmp_path))
     try:
-        expected = _expected_batches(trainer.sampler, 2, 4)
+        expected = _expected_batches(trainer.rollouts.sampler, 2, 4)
         rows = [trainer.step(), trainer.step()]
         trainer.sync_weights(version=trainer.weight_version + 1)  # the artificial delay
         rows += [trainer.step(), trainer.step()]
@@ -176,11 +176,11 @@ def test_a_stop_after_the_rollout_redraws_its_prompts(tmp_path, monkeypatch):
     recorder = StepRecorder(monkeypatch)
     trainer = Trainer(_tiny(tmp_path, train_iters=4), **rendezvous(tmp_path))
     try:
-        expected = _expected_batches(trainer.sampler, 2, 3)
+        expected = _expected_batches(trainer.rollouts.sampler, 2, 3)
         trainer.step()
         saved = trainer.state_dict()["sampler"]  # batch 1 is in flight, not part of the state
         assert trainer.step(should_stop=lambda: True) is None
-        assert trainer.step_index == 1 and trainer.sampler.state_dict() == saved
+        assert trainer.step_index == 1 and trainer.rollouts.sampler.state_dict() == saved
         trainer.step()
         trainer.step()
     finally:
@@ -298,9 +298,9 @@ def test_k_batches_ahead_train_every_prompt_once_at_most_k_versions_behind(
     config = _tiny(tmp_path, train_iters=steps, max_staleness=depth)
     trainer = Trainer(config, **rendezvous(tmp_path))
     try:
-        expected = _expected_batches(trainer.sampler, 2, steps)
+        expected = _expected_batches(trainer.rollouts.sampler, 2, steps)
         rows = [trainer.step() for _ in range(steps)]
-        assert not trainer.rollouts.pending  # nothing drawn beyond --train-iters
+        assert not trainer.rollouts.source.pending  # nothing drawn beyond --train-iters
     finally:
         trainer.close()
     assert [s["prompts"] for s in recorder.steps] == expected
@@ -316,13 +316,13 @@ def test_a_checkpoint_of_a_k_deep_run_records_the_first_batch_not_trained(tmp_pa
     recorder = StepRecorder(monkeypatch)
     trainer = Trainer(_tiny(tmp_path, train_iters=6, max_staleness=3), **rendezvous(tmp_path))
     try:
-        expected = _expected_batches(trainer.sampler, 2, 6)
+        expected = _expected_batches(trainer.rollouts.sampler, 2, 6)
         trainer.step()
         trainer.step()
         state = trainer.state_dict()
-        assert len(trainer.rollouts.pending) == 3
+        assert len(trainer.rollouts.source.pending) == 3
         trainer.load_state_dict(state)  # what a resume does (in the same process)
-        assert not trainer.rollouts.pending
+        assert not trainer.rollouts.source.pending
         for _ in range(4):
             trainer.step()
     finally:
@@ -352,7 +352,7 @@ def test_partial_rollouts_continue_across_a_sync_with_per_segment_versions(tmp_p
         mask_stale_tokens=True,
     )
     trainer = Trainer(config, **rendezvous(tmp_path))
-    engine, producer = trainer.engine, trainer.rollouts.producer
+    engine, producer = trainer.engine, trainer.rollouts.source.producer
     armed, held = threading.Event(), threading.Event()
     real_forward, real_sync = engine.model.forward, trainer.sync_weights
 

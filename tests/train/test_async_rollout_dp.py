@@ -52,8 +52,8 @@ def _worker(rank, world_size, init_method, tmp_dir) -> None:
     trainer = Trainer(config, **dist_kwargs("rdzv_p1"))
     rows = []
     try:
-        result["num_records"] = trainer.sampler.num_records
-        result["sampler_seed"] = trainer.sampler.seed
+        result["num_records"] = trainer.rollouts.sampler.num_records
+        result["sampler_seed"] = trainer.rollouts.sampler.seed
         for k in range(STEPS):
             if k == EXTRA_SYNC_BEFORE:
                 trainer.sync_weights(version=trainer.weight_version + 1)

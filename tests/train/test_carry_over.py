@@ -141,10 +141,11 @@ def test_the_trainer_trains_every_drawn_group_once_and_carries_the_rest(
     flags = {"async_rollout": True, "max_staleness": 2} if async_rollout else {}
     trainer = Trainer(_carry_config(tmp_path, train_iters=8, **flags), **rendezvous(tmp_path))
     try:
-        fresh = PromptSampler(trainer.sampler.num_records, seed=trainer.sampler.seed)
+        sampler = trainer.rollouts.sampler
+        fresh = PromptSampler(sampler.num_records, seed=sampler.seed)
         drawn = fresh.next_batch(4) + [p for _ in range(7) for p in fresh.next_batch(2)]
         rows = [trainer.step() for _ in range(8)]  # nothing is drawn beyond --train-iters
-        carried = [g.prompt for g in trainer.carry_over.carried]
+        carried = [g.prompt for g in trainer.rollouts.carry_over.carried]
     finally:
         trainer.close()
     trained = [p for step in recorder.steps for p in step["prompts"]]

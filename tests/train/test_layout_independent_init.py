@@ -3,10 +3,10 @@
 megatron-core draws each rank's initial weights from whatever generator state that rank reaches,
 so before `init_from_seed` a PP = 2 run trained another model than PP = 1 (first-step grad norm
 1.0004 against 0.9029 on the same batch). The CLI runs below start from random weights (no
-``--model``): world 1, then PP 2, TP 2 x PP 2 and TP 2 x EP 2 under torchrun, two steps each, saved as
-torch_dist checkpoints. The grad norms of both steps and every parameter and Adam moment after
-step 2 (read from the checkpoints under megatron's global keys) must equal world 1's to float
-tolerance (the layouts sum their reductions in other orders).
+``--model``): world 1, then PP 2, TP 2 x PP 2 and TP 2 x EP 2 under torchrun, two steps each,
+saved as torch_dist checkpoints. The grad norms of both steps and every parameter and Adam moment
+after step 2 (read from the checkpoints under megatron's global keys) must equal world 1's to
+float tolerance (the layouts sum their reductions in other orders).
 """
 
 from __future__ import annotations

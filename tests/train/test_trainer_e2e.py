@@ -128,9 +128,9 @@ def test_a_stop_request_is_served_within_one_update(tmp_path):
     update: the remaining updates are skipped and the step ends."""
     trainer = Trainer(small_config(tmp_path), **rendezvous(tmp_path))
     try:
-        position = trainer.sampler.state_dict()
+        position = trainer.rollouts.sampler.state_dict()
         assert trainer.step(should_stop=lambda: True) is None
-        assert trainer.step_index == 0 and trainer.sampler.state_dict() == position
+        assert trainer.step_index == 0 and trainer.rollouts.sampler.state_dict() == position
         answers = iter([False, False, True])  # after the rollout, update 1, update 2
         metrics = trainer.step(should_stop=lambda: next(answers))
         assert trainer.step_index == 1

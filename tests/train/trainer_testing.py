@@ -84,10 +84,10 @@ class StepRecorder:
         steps = self.steps
 
         def train_on(trainer, samples, should_stop=None):
-            by_tokens = {tuple(r.prompt_ids): r.index for r in trainer.records}
+            by_tokens = {tuple(r.prompt_ids): r.index for r in trainer.rollouts.records}
             steps.append(
                 {
-                    "prompts": list(trainer.trained_prompts),
+                    "prompts": list(trainer.rollouts.trained_prompts),
                     "sample_prompts": [by_tokens[tuple(s.prompt_ids.tolist())] for s in samples],
                     "versions": [s.weight_version for s in samples],
                     "newest": [
