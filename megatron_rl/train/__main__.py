@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return _start_up_error(err)
     quiet_third_party_warnings()
     eager_megatron_fusions()  # before megatron is imported: see megatron_rl.quiet_imports
-    from megatron_rl.train.checkpoint_folders import CheckpointDamaged
+    from megatron_rl.train.checkpoint.folders import CheckpointDamaged
     from megatron_rl.train.run import TrainingStopped, resolve_load, run
     from megatron_rl.train.run_lock import RunFolderError
     from megatron_rl.train.task import build_task

@@ -28,7 +28,7 @@ from megatron_rl.model.options import ModelOptions
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.routing.modes import ReplayConfig
 from megatron_rl.runtime import RuntimeConfig
-from megatron_rl.train.checkpoint_config import CheckpointConfig
+from megatron_rl.train.checkpoint.config import CheckpointConfig
 from megatron_rl.train.engine_config import EngineConfig
 from megatron_rl.train.eval_config import EvalConfig
 from megatron_rl.train.objective import ObjectiveConfig

@@ -18,12 +18,9 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_rl.lazy_exports import lazy_getattr
-from megatron_rl.train.checkpoint import (
-    load_training_state,
-    save_training_state,
-    start_async_save,
-)
-from megatron_rl.train.checkpoint_folders import choose_step, step_folders
+from megatron_rl.train.checkpoint.folders import choose_step, step_folders
+from megatron_rl.train.checkpoint.load import load_training_state
+from megatron_rl.train.checkpoint.save import save_training_state, start_async_save
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.evaluation import Evaluator
 from megatron_rl.train.preemption import PreemptionHandler
@@ -238,7 +235,7 @@ class _Saver:
         self.trainer = trainer
         self.config = config
         self.saved_step: int | None = None
-        self.pending = None  # the background save in flight (checkpoint.PendingSave)
+        self.pending = None  # the background save in flight (checkpoint.save.PendingSave)
 
     def __enter__(self) -> _Saver:
         return self

@@ -52,8 +52,9 @@ def reshard_worker(
     from train_state_testing import build_tiny
 
     from megatron_rl.backend import ParallelConfig, init_distributed
-    from megatron_rl.train.checkpoint import load_training_state, save_training_state
-    from megatron_rl.train.optimizer_state import inner_optimizers
+    from megatron_rl.train.checkpoint.load import load_training_state
+    from megatron_rl.train.checkpoint.optimizer_state import inner_optimizers
+    from megatron_rl.train.checkpoint.save import save_training_state
 
     init_distributed(
         ParallelConfig(seed=3, **parallel_kwargs),

@@ -1,5 +1,5 @@
 """``--async-save``: ``torch_dist`` checkpoints written in the background, committed only once
-every rank's writer has finished (`megatron_rl.train.checkpoint.start_async_save`).
+every rank's writer has finished (`megatron_rl.train.checkpoint.save.start_async_save`).
 
 megatron's writer runs in a process forked from the rank; the tests slow it down or hold it at a
 gate (a file) by wrapping ``FileSystemWriterAsync.write_preloaded_data_multiproc`` before the
@@ -16,7 +16,8 @@ import pytest
 import torch
 from qwen3_moe_testing import spawn_ranks
 
-from megatron_rl.train.checkpoint import latest_step, pending_save
+from megatron_rl.train.checkpoint.folders import latest_step
+from megatron_rl.train.checkpoint.save import pending_save
 
 STEP2 = "step_00000002"
 
@@ -85,7 +86,7 @@ def async_worker(rank, world_size, init_method, tmp_dir) -> None:
 
     from megatron_rl.backend import ParallelConfig, init_distributed
     from megatron_rl.collectives import barrier
-    from megatron_rl.train.checkpoint import save_training_state, start_async_save
+    from megatron_rl.train.checkpoint.save import save_training_state, start_async_save
 
     init_distributed(
         ParallelConfig(seed=3), rank=rank, world_size=world_size, init_method=init_method
@@ -185,7 +186,7 @@ def test_a_new_save_commits_the_pending_one_and_an_abandoned_one_commits_nothing
     leaves the previous step as latest."""
     from train_state_testing import build_tiny, train_steps
 
-    from megatron_rl.train.checkpoint import save_training_state, start_async_save
+    from megatron_rl.train.checkpoint.save import save_training_state, start_async_save
 
     _, model, optimizer = build_tiny(seed=0)
     save_dir = str(tmp_path / "ckpt")
@@ -203,7 +204,7 @@ def test_a_new_save_commits_the_pending_one_and_an_abandoned_one_commits_nothing
     # writer's results for its own: its metadata would describe the wrong files
     from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
     from megatron_rl.model import build_model, preset_config
-    from megatron_rl.train.checkpoint import load_training_state
+    from megatron_rl.train.checkpoint.load import load_training_state
 
     def plain(seed: int) -> dict:
         torch.manual_seed(seed)

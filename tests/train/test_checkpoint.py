@@ -21,12 +21,9 @@ from train_state_testing import (
 )
 
 from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
-from megatron_rl.train.checkpoint import (
-    CheckpointDamaged,
-    latest_step,
-    load_training_state,
-    save_training_state,
-)
+from megatron_rl.train.checkpoint.folders import CheckpointDamaged, latest_step
+from megatron_rl.train.checkpoint.load import load_training_state
+from megatron_rl.train.checkpoint.save import save_training_state
 
 
 @pytest.fixture
@@ -149,7 +146,7 @@ def test_crash_while_writing_optimizer_keeps_previous_checkpoint(tmp_path, monke
 
 
 def test_crash_before_latest_is_rewritten_resumes_from_previous_step(tmp_path, monkeypatch):
-    from megatron_rl.train import checkpoint
+    from megatron_rl.train.checkpoint import commit
 
     save_dir = tmp_path / "ckpt"
     _save_linear(save_dir, 1, seed=1)
@@ -157,7 +154,7 @@ def test_crash_before_latest_is_rewritten_resumes_from_previous_step(tmp_path, m
     def crash(path, text):
         raise OSError("killed (simulated)")
 
-    monkeypatch.setattr(checkpoint, "atomic_write_text", crash)
+    monkeypatch.setattr(commit, "atomic_write_text", crash)
     with pytest.raises(OSError, match="simulated"):
         _save_linear(save_dir, 2, seed=2)
     assert (save_dir / "latest").read_text().strip() == "1"

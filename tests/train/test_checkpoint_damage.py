@@ -16,11 +16,9 @@ import shutil
 import pytest
 from train_state_testing import build_tiny, same_tensors, train_steps, weights
 
-from megatron_rl.train.checkpoint import (
-    CheckpointDamaged,
-    load_training_state,
-    save_training_state,
-)
+from megatron_rl.train.checkpoint.folders import CheckpointDamaged
+from megatron_rl.train.checkpoint.load import load_training_state
+from megatron_rl.train.checkpoint.save import save_training_state
 
 STEP2 = "step_00000002"
 WAYS_ON = r".*--load-fallback.*--load-ignore-existing"

@@ -16,8 +16,9 @@ import pytest
 import torch
 from train_state_testing import linear_with_adam_state
 
-from megatron_rl.train.checkpoint import load_training_state, save_training_state
-from megatron_rl.train.checkpoint_folders import folder_problem
+from megatron_rl.train.checkpoint.folders import folder_problem
+from megatron_rl.train.checkpoint.load import load_training_state
+from megatron_rl.train.checkpoint.save import save_training_state
 
 
 def _save_linear(save_dir, step: int, seed: int, keep_last: int = 2) -> None:
@@ -123,7 +124,7 @@ def test_a_same_step_folder_this_run_did_not_write_is_set_aside_until_a_newer_st
 
 
 def test_a_save_killed_between_setting_aside_and_its_rename_loses_nothing(tmp_path, monkeypatch):
-    from megatron_rl.train.checkpoint_folders import CheckpointDamaged
+    from megatron_rl.train.checkpoint.folders import CheckpointDamaged
 
     root = _another_runs_root(tmp_path, (1, 2))  # latest names 2, which this run saves again
     theirs = _files(root / "step_00000002")

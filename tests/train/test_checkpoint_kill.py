@@ -19,7 +19,9 @@ import textwrap
 import pytest
 import torch
 
-from megatron_rl.train.checkpoint import latest_step, load_training_state, save_training_state
+from megatron_rl.train.checkpoint.folders import latest_step
+from megatron_rl.train.checkpoint.load import load_training_state
+from megatron_rl.train.checkpoint.save import save_training_state
 
 # One process imports the checkpoint code once, then forks one child per kill point (a fresh
 # copy of a process that has saved nothing); the child runs the save sequence and SIGKILLs
@@ -27,8 +29,9 @@ from megatron_rl.train.checkpoint import latest_step, load_training_state, save_
 # after each save that returned, and the parent "<kill_at> status <code>" (-9: SIGKILL).
 CHILD = textwrap.dedent(
     """
-    import os, shutil, signal, sys, torch
+    import importlib, os, pkgutil, shutil, signal, sys, torch
     from megatron_rl.train import checkpoint
+    from megatron_rl.train.checkpoint import save as checkpoint_save, shards
 
     root, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     count = [0]
@@ -42,14 +45,14 @@ CHILD = textwrap.dedent(
             return real(*args, **kwargs)
         return op
 
-    checkpoint.torch = type("T", (), {"save": staticmethod(before(torch.save)),
-                                      "load": staticmethod(torch.load),
-                                      "is_tensor": staticmethod(torch.is_tensor)})
-    checkpoint.os.replace = before(os.replace)
-    checkpoint.shutil.rmtree = before(shutil.rmtree)
-    checkpoint.fsync_dir = before(checkpoint.fsync_dir)
-    checkpoint.fsync_file = before(checkpoint.fsync_file)
-    checkpoint.atomic_write_text = before(checkpoint.atomic_write_text)
+    shards.torch = type("T", (), {"save": staticmethod(before(torch.save))})  # the shard files
+    os.replace = before(os.replace)
+    shutil.rmtree = before(shutil.rmtree)
+    for info in pkgutil.iter_modules(checkpoint.__path__):  # wherever the package binds them
+        module = importlib.import_module(f"{checkpoint.__name__}.{info.name}")
+        for name in ("fsync_dir", "fsync_file", "atomic_write_text"):
+            if hasattr(module, name):
+                setattr(module, name, before(getattr(module, name)))
 
     def save(save_dir, step, seed):
         torch.manual_seed(seed)
@@ -57,7 +60,7 @@ CHILD = textwrap.dedent(
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         model(torch.randn(2, 4)).sum().backward()
         optimizer.step()
-        checkpoint.save_training_state(
+        checkpoint_save.save_training_state(
             save_dir, step, model=model, optimizer=optimizer, rl_state={"step": step}, keep_last=2
         )
         print(kill_at[0], "saved", step, flush=True)

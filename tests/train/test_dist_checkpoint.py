@@ -19,7 +19,9 @@ import torch
 from reshard_testing import max_diff, run_phase
 from train_state_testing import build_tiny, same_tensors, train_steps, weights
 
-from megatron_rl.train.checkpoint import latest_step, load_training_state, save_training_state
+from megatron_rl.train.checkpoint.folders import latest_step
+from megatron_rl.train.checkpoint.load import load_training_state
+from megatron_rl.train.checkpoint.save import save_training_state
 
 TP2 = ({"tensor_parallel": 2, "sequence_parallel": True}, 2)
 EP2 = ({"expert_parallel": 2}, 2)
@@ -84,7 +86,7 @@ def test_torch_dist_round_trip_and_format_detection(ws1, tmp_path):
 
 @pytest.mark.slow
 def test_torch_dist_save_killed_before_commit_leaves_no_loadable_step(ws1, tmp_path, monkeypatch):
-    from megatron_rl.train import checkpoint
+    from megatron_rl.train.checkpoint import save
 
     _, model, optimizer = build_tiny(seed=0)
     save_dir = tmp_path / "ckpt"
@@ -93,7 +95,7 @@ def test_torch_dist_save_killed_before_commit_leaves_no_loadable_step(ws1, tmp_p
     def killed(*args, **kwargs):  # every data file is written, nothing is committed yet
         raise OSError("killed (simulated)")
 
-    monkeypatch.setattr(checkpoint, "_hash_share", killed)
+    monkeypatch.setattr(save, "hash_share", killed)
     with pytest.raises(OSError, match="simulated"):
         save_training_state(
             str(save_dir), 2, model=model, optimizer=optimizer, rl_state={}, fmt="torch_dist"
@@ -197,7 +199,7 @@ def test_torch_dist_without_psutil_fails_clearly_instead_of_hanging(monkeypatch)
     """megatron's writer would die silently in each worker and the save would wait forever."""
     import sys
 
-    from megatron_rl.train.dist_checkpoint import _megatron_dist_checkpointing
+    from megatron_rl.train.checkpoint.torch_dist import _megatron_dist_checkpointing
 
     monkeypatch.setitem(sys.modules, "psutil", None)
     with pytest.raises(RuntimeError, match="needs psutil"):

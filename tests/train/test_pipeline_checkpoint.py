@@ -52,7 +52,7 @@ def _full_state(trainer) -> dict[str, dict[str, torch.Tensor]]:
     state for the time of one gather (megatron's fp32 optimizer keys the state by parameter).
     """
     from megatron_rl.model.conversion import iter_hf_tensors_every_stage
-    from megatron_rl.train.optimizer_state import inner_optimizers
+    from megatron_rl.train.checkpoint.optimizer_state import inner_optimizers
 
     module, wanted = trainer.model.module, torch.distributed.get_rank() == 0
 

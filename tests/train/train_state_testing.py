@@ -58,7 +58,7 @@ def weights(model) -> dict[str, torch.Tensor]:
 
 def adam_state(optimizer) -> list[dict[str, torch.Tensor]]:
     """Per-parameter Adam state tensors (exp_avg, exp_avg_sq, step), cloned, in param order."""
-    from megatron_rl.train.optimizer_state import inner_optimizers
+    from megatron_rl.train.checkpoint.optimizer_state import inner_optimizers
 
     out = []
     for inner in inner_optimizers(optimizer):
@@ -75,7 +75,8 @@ def same_tensors(a: dict, b: dict) -> bool:
 def expert_parallel_worker(rank, world_size, init_method, tmp_dir) -> None:
     """EP=2: train, save, train on, load; writes ``result{rank}.pt`` with what was restored."""
     from megatron_rl.backend import ParallelConfig, init_distributed
-    from megatron_rl.train.checkpoint import load_training_state, save_training_state
+    from megatron_rl.train.checkpoint.load import load_training_state
+    from megatron_rl.train.checkpoint.save import save_training_state
 
     init_distributed(
         ParallelConfig(expert_parallel=2, seed=3),

@@ -1,10 +1,12 @@
 """Push trainer weights to SGLang servers: three transports, bucketed, versioned, checked.
 
-Modules: `common` (config, report, error), `sync` (`WeightSync`: one sync and its membership),
-`reprobe` (dropped servers probed in the background), `staging` (the buffers buckets are packed
-into), one per transport: `distributed`, `tensor`, `disk`; `stages` (under pipeline parallelism
-the ``distributed`` transport sends each stage's tensors from that stage's first rank, over a
-group of the stage's own, driven by rank 0).
+Modules: `common` (config, report, error), `sync` (`WeightSync`: one sync and its membership;
+the one module that picks a transport), `transport` (what a transport sees of the sync,
+`SyncRound`, and what the sync asks of it, `Transport`), `reprobe` (dropped servers probed in
+the background), `staging` (the buffers buckets are packed into), one per transport:
+`distributed`, `tensor`, `disk` (each imports `transport`, never `sync`); `stages` (under
+pipeline parallelism the ``distributed`` transport sends each stage's tensors from that stage's
+first rank, over a group of the stage's own, driven by rank 0).
 
 One sync (`sync_weights`) on the trainer's global rank 0, fed by
 `megatron_rl.model.conversion.iter_hf_tensors` (collective: the other ranks iterate it too and

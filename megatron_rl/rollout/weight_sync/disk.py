@@ -7,20 +7,17 @@ import concurrent.futures
 import json
 import os
 import shutil
-from typing import TYPE_CHECKING
 
 from megatron_rl.rollout import flat_bucket
 from megatron_rl.rollout.weight_sync.common import SyncReport, WeightSyncConfig, WeightSyncError
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.weight_sync.sync import WeightSync
+from megatron_rl.rollout.weight_sync.transport import SyncRound
 
 
 class DiskTransport:
-    """The weight folders written for the servers of ``sync`` (a `WeightSync`): at most the
+    """The weight folders written for the servers of ``sync`` (a `SyncRound`): at most the
     newest two versions are kept."""
 
-    def __init__(self, sync: WeightSync):
+    def __init__(self, sync: SyncRound):
         self.sync = sync
         self._written: list[str] = []  # weight folders written so far, oldest first
         self._pruning: concurrent.futures.Future | None = None

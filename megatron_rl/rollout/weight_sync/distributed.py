@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import wait
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,9 +31,7 @@ from megatron_rl.rollout.weight_sync.common import (
 )
 from megatron_rl.rollout.weight_sync.stages import RemoteStage, free_port
 from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.weight_sync.sync import WeightSync
+from megatron_rl.rollout.weight_sync.transport import SyncRound
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +52,9 @@ class _Group:
 
 class DistributedTransport:
     """The weight-update groups (one per pipeline stage; rebuilt without a member that fails)
-    and the buckets sent over them, for the servers of ``sync`` (a `WeightSync`)."""
+    and the buckets sent over them, for the servers of ``sync`` (a `SyncRound`)."""
 
-    def __init__(self, sync: WeightSync):
+    def __init__(self, sync: SyncRound):
         self.sync = sync
         self.staging = Staging(sync.config, num_buffers=2)
         self.groups: dict[int, _Group] = {0: _Group(0)}

@@ -9,7 +9,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -29,12 +29,14 @@ from megatron_rl.rollout.weight_sync.rank_handles import STOP, HandleLink
 from megatron_rl.rollout.weight_sync.reprobe import ReprobeConfig, Reprober
 from megatron_rl.rollout.weight_sync.stages import RemoteStage
 from megatron_rl.rollout.weight_sync.tensor import TensorTransport
+from megatron_rl.rollout.weight_sync.transport import SyncRound, Transport
 
 logger = logging.getLogger(__name__)
 
 SPANS_RELEASE = (0, 5, 19)  # the first SGLang that reports meta_info.weight_versions
 
-TRANSPORT_CLASSES = {
+# the one place a transport is chosen: each is built with the sync as its `SyncRound`
+TRANSPORT_CLASSES: dict[str, Callable[[SyncRound], Transport]] = {
     "distributed": DistributedTransport,
     "tensor": TensorTransport,
     "disk": DiskTransport,
@@ -56,7 +58,8 @@ class WeightSync:
     it (or on a failure of the trainer's own side); membership then stays as it was.
 
     ``transport`` (chosen by ``config.transport``, `TRANSPORT_CLASSES`) sends the tensors; it
-    uses ``urls``, ``phase``, ``fail``, ``require`` and ``threads`` of this sync.
+    sees this sync as a `transport.SyncRound` (``urls``, ``phase``, ``fail``, ``require``,
+    ``threads``, ...).
     """
 
     def __init__(
@@ -79,7 +82,7 @@ class WeightSync:
         self._live: list[str] = list(pool.members())  # the servers in the sync under way
         self._failed: dict[str, str] = {}  # url -> why, in the sync under way
         self._version = 0
-        self.transport = TRANSPORT_CLASSES[config.transport](self)
+        self.transport: Transport = TRANSPORT_CLASSES[config.transport](self)
         self.dropped_total = 0  # servers dropped by syncs so far (a metric)
         self.rejoined_total = 0  # dropped servers admitted again after a full sync
         self.reprobe = Reprober(pool.probe, reprobe or ReprobeConfig())

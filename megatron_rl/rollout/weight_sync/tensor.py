@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import types
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,16 +15,14 @@ from megatron_rl.rollout.flat_bucket import FLATTENED, flat_buckets
 from megatron_rl.rollout.weight_sync.common import SyncReport, WeightSyncConfig, WeightSyncError
 from megatron_rl.rollout.weight_sync.rank_handles import BUCKET, HandleLink
 from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda, file_system_sharing
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.weight_sync.sync import WeightSync
+from megatron_rl.rollout.weight_sync.transport import SyncRound
 
 
 class TensorTransport:
     """Buckets staged in one buffer and passed by handle to the servers of ``sync`` (a
-    `WeightSync`)."""
+    `SyncRound`)."""
 
-    def __init__(self, sync: WeightSync):
+    def __init__(self, sync: SyncRound):
         self.sync = sync
         self.staging = Staging(sync.config, num_buffers=1)
 

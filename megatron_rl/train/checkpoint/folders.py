@@ -21,7 +21,7 @@ import logging
 import os
 import re
 
-from megatron_rl.train.dist_checkpoint import FORMAT as DIST_FORMAT
+from megatron_rl.train.checkpoint.torch_dist import FORMAT as DIST_FORMAT
 
 logger = logging.getLogger(__name__)
 

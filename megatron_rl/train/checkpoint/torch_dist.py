@@ -4,8 +4,8 @@
 Every tensor is saved as a shard of its *global* tensor (the model's ``sharded_state_dict()``
 gives each TP/EP shard its global shape and offsets), so a checkpoint saved at one TP/EP/DP
 layout loads at another: each rank reads the slices its new layout owns. The commit (staging
-folder, sha256 records, rename, ``latest``) is `megatron_rl.train.checkpoint`'s, shared with the
-per-rank ``torch`` format.
+folder, sha256 records, rename, ``latest``) is `megatron_rl.train.checkpoint.commit`'s, shared
+with the per-rank ``torch`` format. Background writes (``--async-save``): `async_write`.
 
 What was measured on megatron-core 0.16.1 (CPU, gloo, tiny Qwen3-MoE, world size 2):
 
@@ -30,42 +30,6 @@ What was measured on megatron-core 0.16.1 (CPU, gloo, tiny Qwen3-MoE, world size
   and the gather); loading at EP2 a similar time. The per-rank ``torch`` format takes well
   under a second, and stays the default for that reason on small runs.
 
-Async save (``--async-save``, `save_sharded` with ``background=True``): megatron's
-``dist_checkpointing.save(..., async_sharded_save=True)`` does everything collective at once (the
-sharding validation, the optimizer gather, the save plan, ``common.pt``) and returns an
-``AsyncRequest`` holding only the file writes; `BackgroundWrite` schedules it on an
-``AsyncCallsQueue`` and later runs megatron's finalization (``.metadata``, ``metadata.json``) once
-every rank's writer has finished. What the source of megatron-core 0.16.1 shows about the data
-being written while training goes on:
-
-* The queue is used non-persistent: ``TemporalAsyncCaller`` forks the training process for each
-  save, so the writer reads a copy-on-write snapshot taken at the fork, inside `save_sharded`;
-  the next optimizer step's in-place updates are not seen (memory grows by the pages it rewrites
-  while the write runs). The persistent caller is not used: it is a spawned worker fed through a
-  torch multiprocessing queue, which moves CPU tensors into shared memory, so the worker would
-  read the live parameters.
-* On GPU the request's ``preload_fn`` copies every tensor to host memory (and synchronizes)
-  before the fork. On CPU that copy is a no-op; ``FileSystemWriterAsync`` clones only CPU tensors
-  that are views of a larger storage, at planning time. Both happen before `save_sharded`
-  returns, so either way the snapshot describes the step being saved.
-
-Processes: megatron's writer starts some that a SIGKILLed trainer would leave behind (measured
-on the tiny CPU run: a kill after the first async save left a ~295 MB Manager and
-multiprocessing's resource tracker, 4 of 4 kills; a kill during a write left those, the writer
-and its 2 workers). Each of them now dies with its parent (`megatron_rl.parent_death`, Linux
-``PR_SET_PDEATHSIG``; `tests/train/test_async_save_orphans.py`):
-
-* the write-results queue (``filesystem_async._results_queue``) lives in a ``spawn``-ed
-  multiprocessing Manager that megatron creates on the first save and never stops before exit;
-  `_results_queue_dies_with_us` creates it first, the same way, with a Manager that has
-  `die_with_parent` as its initializer;
-* the writer (forked per save by ``TemporalAsyncCaller``) and its workers (forked by the writer,
-  or by the trainer itself in a synchronous save) are forked inside `forks_die_with_parent`;
-* the resource tracker (started by the Manager's spawn) exits by itself once every process
-  holding its pipe has exited.
-
-A normal exit stops the Manager (multiprocessing's exit handler) after the last save committed.
-
 RNG states are not resharded: each rank writes its own ``rng_rank*.pt``; a resume at the same
 layout restores them all, one at another layout restores torch/python/numpy states from the rank
 with the same index (modulo the saved world size) and keeps megatron's tensor-parallel RNG
@@ -76,14 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
-import os
-from multiprocessing.managers import SyncManager
 
 import torch
 
-from megatron_rl.parent_death import die_with_parent, forks_die_with_parent
-from megatron_rl.train.optimizer_state import (
+from megatron_rl.parent_death import forks_die_with_parent
+from megatron_rl.train.checkpoint.async_write import BackgroundWrite, results_queue_dies_with_us
+from megatron_rl.train.checkpoint.optimizer_state import (
     _fresh_adam_state,
     _torch_optimizer,
     _unshare_steps,
@@ -216,18 +178,18 @@ def save_sharded(folder: str, model, optimizer, background: bool = False):
 
     Returns:
         None once the files are written; with ``background=True`` a `BackgroundWrite` whose
-        writer process is running (the state it writes is already snapshotted, see the module
-        docstring): ``folder`` is complete only after its ``finished(wait=True)``.
+        writer process is running (the state it writes is already snapshotted, see
+        `async_write`): ``folder`` is complete only after its ``finished(wait=True)``.
     """
     dist_checkpointing = _megatron_dist_checkpointing()
-    _results_queue_dies_with_us()
+    results_queue_dies_with_us()
     _, inner_states, flat = _sharded_state(model, optimizer, is_loading=False)
     common: dict = {"param_groups": {}}
     for state in inner_states:
         part = _non_tensor_state(state)
         common["param_groups"].update(part.pop("param_groups"))
         common.update(part)
-    with forks_die_with_parent():  # the writer processes (see the module docstring)
+    with forks_die_with_parent():  # the writer processes (see `async_write`)
         request = dist_checkpointing.save(
             {"tensors": flat, _COMMON_KEY: common},
             folder,
@@ -235,64 +197,6 @@ def save_sharded(folder: str, model, optimizer, background: bool = False):
             async_sharded_save=background,
         )
         return BackgroundWrite(request) if background else None
-
-
-_MANAGERS: list[SyncManager] = []  # the write-results Manager, alive until this process exits
-
-
-def _results_queue_dies_with_us() -> None:
-    """Create megatron-core 0.16.1's write-results queue before megatron does (its
-    ``_get_write_results_queue``: a queue in a ``spawn`` Manager), in a Manager process that is
-    killed when this process (the thread calling this: the trainer's main thread) exits."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:
-        return  # created already, or another megatron version (then its own)
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-    _MANAGERS.append(manager)
-    filesystem_async._results_queue = manager.Queue()
-
-
-class BackgroundWrite:
-    """megatron's asynchronous write of one `save_sharded` call, in a forked process per rank."""
-
-    def __init__(self, request) -> None:
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-        # non-persistent: a fork per save, whose memory is the snapshot (see the module docstring)
-        self._queue = AsyncCallsQueue(persistent=False)
-        self._queue.schedule_async_request(request)
-
-    def finished(self, wait: bool) -> bool:
-        """Collective: whether every rank's writer has finished (``wait``: block until then).
-
-        When they have, megatron's finalization runs (``.metadata`` and ``metadata.json`` are
-        written); a write that failed on any rank raises on every rank.
-        """
-        if self._queue.get_num_unfinalized_calls():
-            self._queue.maybe_finalize_async_calls(blocking=wait)
-        return self._queue.get_num_unfinalized_calls() == 0
-
-    def abandon(self) -> None:
-        """Local (no collective): wait for this rank's writer process; finalize nothing.
-
-        The writer left its results in megatron's process-wide results queue, which the next
-        save of this process (synchronous ones too) reads as its own: they are drained, or that
-        save's metadata would describe the abandoned write's files (a corrupted checkpoint).
-        """
-        while self._queue.async_calls:
-            self._queue.async_calls.popleft().async_caller.close()
-        _drain_write_results()
-
-
-def _drain_write_results() -> None:
-    """Empty megatron-core 0.16.1's module-level write-results queue (``filesystem_async``)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    queue = getattr(filesystem_async, "_results_queue", None)
-    while queue is not None and not queue.empty():
-        queue.get_nowait()
 
 
 def load_sharded(folder: str, model, optimizer) -> None:
