@@ -1,4 +1,4 @@
-"""Build the megatron-core `GPTModel` of a Qwen3-MoE config, and run it as a causal LM.
+"""Build the megatron-core `GPTModel` of a Qwen3-MoE or DeepSeek-V3 config; run it as a causal LM.
 
 Layer spec: Transformer Engine on CUDA (an error naming the fix when TE is missing, unless the
 local spec is asked for), the local (megatron-core only) spec on CPU. With TE, megatron's TE
@@ -26,6 +26,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.experts import GroupedMLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from transformers import Qwen3MoeConfig
@@ -35,7 +36,9 @@ from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_module_in_s
 from megatron_rl.backend.without_te import define_missing_te_symbols
 from megatron_rl.model.config import ModelOptions, rope_theta, to_transformer_config
 from megatron_rl.model.grouped_experts import TorchGroupedMLP
+from megatron_rl.model.mla_attention import MLADotProductAttention, without_te_mla
 from megatron_rl.model.presets import load_hf_config
+from megatron_rl.moe_layers import num_routed_experts
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +102,8 @@ def build_model(
         raise ValueError(
             f"num_key_value_heads={hf_config.num_key_value_heads} not divisible by TP={tp}"
         )
-    if hf_config.num_experts % ep:
-        raise ValueError(f"num_experts={hf_config.num_experts} is not divisible by EP={ep}")
+    if num_routed_experts(hf_config) % ep:
+        raise ValueError(f"num_experts={num_routed_experts(hf_config)} is not divisible by EP={ep}")
     config = to_transformer_config(hf_config, options, use_te=use_te)
     with warnings.catch_warnings():  # "legacy GroupedMLP will be deprecated": it is replaced
         warnings.filterwarnings("ignore", message="The legacy GroupedMLP")
@@ -111,6 +114,11 @@ def build_model(
         define_missing_te_symbols()
         block_spec = swap_module_in_spec(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
         block_spec = swap_module_in_spec(block_spec, GroupedMLP, TorchGroupedMLP)
+        if config.multi_latent_attention:  # local attention with MLA's head sizes
+            without_te_mla()
+            block_spec = swap_module_in_spec(
+                block_spec, DotProductAttention, MLADotProductAttention
+            )
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec,

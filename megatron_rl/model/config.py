@@ -1,4 +1,5 @@
-"""Hugging Face `Qwen3MoeConfig` -> megatron-core `TransformerConfig` (+ GPTModel arguments).
+"""Hugging Face `Qwen3MoeConfig` / `DeepseekV3Config` -> megatron-core `TransformerConfig`
+(`MLATransformerConfig` for DeepSeek-V3, see `megatron_rl.model.deepseek_v3`).
 
 Parallel sizes are read from megatron-core's ``parallel_state`` (initialise it first, see
 `megatron_rl.backend.init_distributed`); this module only states the architecture.
@@ -14,10 +15,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from transformers import Qwen3MoeConfig
 
+from megatron_rl.model.deepseek_v3 import deepseek_v3_fields
 from megatron_rl.model.options import ModelOptions
+from megatron_rl.model.presets import model_family
 from megatron_rl.model.stages import megatron_stage_layers
 from megatron_rl.moe_layers import moe_layer_pattern
 
@@ -62,6 +65,26 @@ def shared_expert_size(hf_config: Qwen3MoeConfig) -> int | None:
     return int(size) if size else None
 
 
+def qwen3_moe_fields(hf_config: Qwen3MoeConfig, has_moe: bool) -> dict[str, Any]:
+    """The `TransformerConfig` keyword arguments that state the Qwen3-MoE architecture."""
+    shared = shared_expert_size(hf_config)
+    return dict(
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=getattr(hf_config, "head_dim", None)
+        or (hf_config.hidden_size // hf_config.num_attention_heads),
+        qk_layernorm=True,
+        add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        num_moe_experts=hf_config.num_experts if has_moe else None,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_score_function="softmax",
+        # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob. Megatron without
+        # pre-softmax takes the softmax over the top-k logits, which is the renormalised form.
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared is not None,
+    )
+
+
 def to_transformer_config(
     hf_config: Qwen3MoeConfig, options: ModelOptions, *, use_te: bool
 ) -> TransformerConfig:
@@ -73,13 +96,12 @@ def to_transformer_config(
     tp = parallel_state.get_tensor_model_parallel_world_size()
     sequence_parallel = tp > 1 if options.sequence_parallel is None else options.sequence_parallel
     dtype = options.torch_dtype
-    head_dim = getattr(hf_config, "head_dim", None) or (
-        hf_config.hidden_size // hf_config.num_attention_heads
-    )
     pattern = moe_layer_pattern(hf_config)
     has_moe = any(pattern)
-    shared = shared_expert_size(hf_config)
-    extra: dict[str, Any] = {}
+    if model_family(hf_config) == "deepseek_v3":
+        config_class, extra = MLATransformerConfig, deepseek_v3_fields(hf_config)
+    else:
+        config_class, extra = TransformerConfig, qwen3_moe_fields(hf_config, has_moe)
     if options.recompute:
         extra.update(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
@@ -106,20 +128,16 @@ def to_transformer_config(
         )
     elif options.first_stage_layers is not None or options.last_stage_layers is not None:
         raise ValueError("first_stage_layers / last_stage_layers need pipeline parallel size > 1")
-    return TransformerConfig(
+    return config_class(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
         num_attention_heads=hf_config.num_attention_heads,
-        num_query_groups=hf_config.num_key_value_heads,
-        kv_channels=head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=hf_config.rms_norm_eps,
-        qk_layernorm=True,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=hf_config.initializer_range,
@@ -132,14 +150,8 @@ def to_transformer_config(
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         sequence_parallel=sequence_parallel,
-        num_moe_experts=hf_config.num_experts if has_moe else None,
         moe_router_topk=hf_config.num_experts_per_tok,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_layer_freq=pattern,
-        moe_router_score_function="softmax",
-        # HF: softmax over all experts, top-k, renormalise iff norm_topk_prob. Megatron without
-        # pre-softmax takes the softmax over the top-k logits, which is the renormalised form.
-        moe_router_pre_softmax=not hf_config.norm_topk_prob,
         moe_router_load_balancing_type="aux_loss" if options.aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=options.aux_loss_coeff,
         moe_router_dtype="fp32",
@@ -147,14 +159,13 @@ def to_transformer_config(
         # grouped experts: TEGroupedMLP with TE; without it the spec's legacy GroupedMLP, which
         # the builder replaces by TorchGroupedMLP (megatron_rl/model/grouped_experts.py)
         moe_grouped_gemm=options.moe_grouped_gemm and has_moe,
-        moe_shared_expert_intermediate_size=shared,
-        moe_shared_expert_gate=shared is not None,
         moe_enable_routing_replay=options.routing_replay,
         # Fusions need Transformer Engine (or apex): on with TE, off on the local path.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=use_te,
+        # megatron fuses MLA's rope only for YaRN
+        apply_rope_fusion=use_te and config_class is not MLATransformerConfig,
         moe_permute_fusion=use_te,
         gradient_accumulation_fusion=use_te and grad_accum_fusion_available(),
         persist_layer_norm=False,

@@ -1,6 +1,7 @@
-"""Named Qwen3-MoE model shapes, as Hugging Face `Qwen3MoeConfig` objects.
+"""Named model shapes, as Hugging Face configs: `Qwen3MoeConfig` or `DeepseekV3Config`.
 
-Unknown names raise ValueError listing the known ones (an explicit allowlist).
+Unknown names raise ValueError listing the known ones (an explicit allowlist); so does a config
+of a model family the project does not build (`FAMILIES`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,14 @@ import json
 import os
 from typing import Any
 
-from transformers import Qwen3MoeConfig
+from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+# HF ``model_type`` -> (config class, ``architectures`` entry of its config.json)
+FAMILIES: dict[str, tuple[type, str]] = {
+    "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
+    "deepseek_v3": (DeepseekV3Config, "DeepseekV3ForCausalLM"),
+}
+HFConfig = Qwen3MoeConfig | DeepseekV3Config
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-30B-A3B's config.json shape.
@@ -89,28 +97,88 @@ _PRESETS["tiny-mismatch"] = dict(
     num_hidden_layers=4,
 )
 
-PRESET_NAMES = tuple(_PRESETS)
+# DeepSeek-V3-shaped (multi-latent attention, one dense layer then sigmoid-routed MoE layers with
+# group-limited top-k, a shared expert, the score-correction bias): a few seconds per CPU step.
+_DEEPSEEK_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-deepseek": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10_000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+PRESET_NAMES = (*_PRESETS, *_DEEPSEEK_PRESETS)
 
 
-def preset_config(name: str, **overrides: Any) -> Qwen3MoeConfig:
-    """The `Qwen3MoeConfig` of preset ``name`` with keyword ``overrides`` applied."""
-    if name not in _PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(_PRESETS)}")
-    kwargs = {**_PRESETS[name], **overrides}
+def preset_config(name: str, **overrides: Any) -> HFConfig:
+    """The HF config of preset ``name`` with keyword ``overrides`` applied."""
+    if name in _PRESETS:
+        kwargs, config_class = {**_PRESETS[name], **overrides}, Qwen3MoeConfig
+    elif name in _DEEPSEEK_PRESETS:
+        kwargs, config_class = {**_DEEPSEEK_PRESETS[name], **overrides}, DeepseekV3Config
+    else:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
     rope_theta = kwargs.pop("rope_theta")
     kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
-    return Qwen3MoeConfig(**kwargs)
+    return config_class(**kwargs)
 
 
-def load_hf_config(config: Qwen3MoeConfig | str | os.PathLike) -> Qwen3MoeConfig:
-    """Accept a config object, a ``config.json`` path or a checkpoint folder holding one."""
-    if isinstance(config, Qwen3MoeConfig):
+def model_family(hf_config: HFConfig) -> str:
+    """The HF ``model_type`` of ``hf_config``, one of `FAMILIES` (ValueError otherwise)."""
+    family = getattr(hf_config, "model_type", None)
+    if family not in FAMILIES:
+        raise ValueError(
+            f"model_type={family!r} is not supported; supported model families: "
+            f"{', '.join(FAMILIES)}"
+        )
+    return family
+
+
+def hf_architecture(hf_config: HFConfig) -> str:
+    """The ``architectures`` entry of the config.json written for ``hf_config``."""
+    return FAMILIES[model_family(hf_config)][1]
+
+
+def load_hf_config(config: HFConfig | str | os.PathLike) -> HFConfig:
+    """Accept a config object, a ``config.json`` path or a checkpoint folder holding one.
+
+    The config's ``model_type`` picks the family (`FAMILIES`; a file without one is read as
+    Qwen3-MoE); any other raises ValueError listing the supported families.
+    """
+    if isinstance(config, Qwen3MoeConfig | DeepseekV3Config):
+        model_family(config)
         return config
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
-    if data.get("model_type") not in (None, "qwen3_moe"):
-        raise ValueError(f"{path}: model_type={data.get('model_type')!r}, expected 'qwen3_moe'")
-    return Qwen3MoeConfig.from_dict(data)
+    family = data.get("model_type") or "qwen3_moe"
+    if family not in FAMILIES:
+        raise ValueError(
+            f"{path}: model_type={family!r} is not supported; supported model families: "
+            f"{', '.join(FAMILIES)}"
+        )
+    return FAMILIES[family][0].from_dict(data)

@@ -34,7 +34,8 @@ from megatron_rl.model.conversion.sharding import (
     with_expert,
 )
 from megatron_rl.model.conversion.transforms import split, unshard
-from megatron_rl.model.presets import load_hf_config
+from megatron_rl.model.presets import hf_architecture, load_hf_config
+from megatron_rl.moe_layers import num_routed_experts
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def _iter_full(
     the experts' with ``experts=True``, only the others' with False)."""
     rank = model_rank_layout(model)
     params = weight_entries(model)
-    num_local_experts = cfg.num_experts // rank.ep_size
+    num_local_experts = num_routed_experts(cfg) // rank.ep_size
     for tmap in rank_tensor_maps(cfg, model_layout_name(model), rank):
         if experts is not None and (tmap.local_expert is not None) != experts:
             continue
@@ -161,7 +162,7 @@ def save_checkpoint(
         stream = progress(tensors) if progress else tensors
         meta = {"megatron_rl": MEGATRON_FORMAT} if fmt == "megatron" else {}
         write_checkpoint(stream, folder, max_shard_bytes=max_shard_bytes, metadata=meta)
-        config = {**cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
+        config = {**cfg.to_dict(), "architectures": [hf_architecture(cfg)]}
         atomic_write_text(os.path.join(folder, "config.json"), json.dumps(config, indent=2))
         logger.info("wrote %s checkpoint to %s", fmt, folder)
     else:

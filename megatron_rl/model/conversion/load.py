@@ -26,12 +26,21 @@ from megatron_rl.model.conversion.sharding import (
     shard_coords,
 )
 from megatron_rl.model.conversion.transforms import fuse, shard
-from megatron_rl.model.presets import load_hf_config
+from megatron_rl.model.presets import load_hf_config, model_family
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("hf", "megatron")
 _MAX_LISTED = 12
+
+
+def mtp_hf_names(cfg, names: Iterable[str]) -> list[str]:
+    """HF tensor names of multi-token-prediction layers (DeepSeek-V3 only; none otherwise)."""
+    if model_family(cfg) != "deepseek_v3":
+        return []
+    from megatron_rl.model.conversion.names_deepseek import mtp_hf_names as deepseek_mtp_names
+
+    return deepseek_mtp_names(cfg, names)
 
 
 def detect_format(folder: str | os.PathLike) -> str:
@@ -47,10 +56,14 @@ def _listed(names: Iterable[str]) -> str:
 
 
 def validate_checkpoint(
-    reader: CheckpointReader, expected: dict[str, tuple[int, ...]], what: str
+    reader: CheckpointReader,
+    expected: dict[str, tuple[int, ...]],
+    what: str,
+    skipped: Iterable[str] = (),
 ) -> None:
-    """Raise ValueError naming every missing, unexpected or wrongly shaped tensor."""
-    present = set(reader.names())
+    """Raise ValueError naming every missing, unexpected or wrongly shaped tensor (the names in
+    ``skipped`` are neither expected nor unexpected)."""
+    present = set(reader.names()) - set(skipped)
     problems = []
     missing = set(expected) - present
     extra = present - set(expected)
@@ -126,7 +139,16 @@ def load_checkpoint(
         raise ValueError(f"fmt={fmt!r}: choose 'auto' or one of {FORMATS}")
     with CheckpointReader(folder) as reader:
         expected = expected_hf_shapes(cfg) if fmt == "hf" else expected_canonical_shapes(cfg)
-        validate_checkpoint(reader, expected, f"{fmt} checkpoint")
+        skipped = mtp_hf_names(cfg, reader.names()) if fmt == "hf" else []
+        if skipped:
+            logger.warning(
+                "skipping %d tensors of %s's multi-token-prediction layers "
+                "(num_nextn_predict_layers=%d): MTP is not built, the main model loads without it",
+                len(skipped),
+                os.fspath(folder),
+                cfg.num_nextn_predict_layers,
+            )
+        validate_checkpoint(reader, expected, f"{fmt} checkpoint", skipped)
 
         def full_tensor(tmap: TensorMap) -> torch.Tensor:
             if fmt == "hf":

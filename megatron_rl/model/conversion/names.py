@@ -1,4 +1,5 @@
-"""Name and shape mapping between Qwen3-MoE HF tensors and megatron-core parameters.
+"""Name and shape mapping between Qwen3-MoE HF tensors and megatron-core parameters (the
+DeepSeek-V3 layers' names are in `names_deepseek`, the rest is shared).
 
 Three name spaces:
 - HF: ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` ... (what ``save_pretrained`` and the
@@ -25,7 +26,8 @@ import dataclasses
 from transformers import Qwen3MoeConfig
 
 from megatron_rl.model.config import shared_expert_size
-from megatron_rl.moe_layers import moe_layer_pattern
+from megatron_rl.model.presets import model_family
+from megatron_rl.moe_layers import moe_layer_pattern, num_routed_experts
 
 LAYOUTS = ("local", "local_grouped", "te")
 
@@ -70,7 +72,6 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
     """Maps of global layer ``i`` held as local layer ``li``."""
     hp, cp, m = f"model.layers.{i}.", f"decoder.layers.{i}.", f"decoder.layers.{li}."
     te = layout == "te"
-    per_expert_names = layout in ("te", "local_grouped")
     sparse = moe_layer_pattern(cfg)[i] == 1
     maps = [
         TensorMap(
@@ -125,7 +126,7 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
         )
     )
     if not sparse:
-        maps += _mlp_maps(m + "mlp.", cp + "mlp.", hp + "mlp.", "tp")
+        maps += mlp_maps(m + "mlp.", cp + "mlp.", hp + "mlp.", "tp")
         return maps
     maps.append(
         TensorMap(
@@ -134,7 +135,27 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
             hf=(hp + "mlp.gate.weight",),
         )
     )
-    num_local = cfg.num_experts // rank.ep_size
+    maps += expert_maps(cfg, layout, rank, i, li)
+    if shared_expert_size(cfg):
+        maps += mlp_maps(
+            m + "mlp.shared_experts.", cp + "mlp.shared_experts.", hp + "mlp.shared_expert.", "tp"
+        )
+        maps.append(
+            TensorMap(
+                param=m + "mlp.shared_experts.gate_weight",
+                canonical=cp + "mlp.shared_experts.gate_weight",
+                hf=(hp + "mlp.shared_expert_gate.weight",),
+            )
+        )
+    return maps
+
+
+def expert_maps(cfg, layout: str, rank: RankLayout, i: int, li: int) -> list[TensorMap]:
+    """Maps of this rank's routed experts of global layer ``i`` (local layer ``li``)."""
+    hp, cp, m = f"model.layers.{i}.", f"decoder.layers.{i}.", f"decoder.layers.{li}."
+    per_expert_names = layout in ("te", "local_grouped")
+    num_local = num_routed_experts(cfg) // rank.ep_size
+    maps = []
     for j in range(num_local):
         e = rank.ep_rank * num_local + j
         for fc, hf_names, kind, dim in (
@@ -158,21 +179,10 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
                     local_expert=j,
                 )
             )
-    if shared_expert_size(cfg):
-        maps += _mlp_maps(
-            m + "mlp.shared_experts.", cp + "mlp.shared_experts.", hp + "mlp.shared_expert.", "tp"
-        )
-        maps.append(
-            TensorMap(
-                param=m + "mlp.shared_experts.gate_weight",
-                canonical=cp + "mlp.shared_experts.gate_weight",
-                hf=(hp + "mlp.shared_expert_gate.weight",),
-            )
-        )
     return maps
 
 
-def _mlp_maps(param_prefix: str, canonical_prefix: str, hf_prefix: str, group: str) -> list:
+def mlp_maps(param_prefix: str, canonical_prefix: str, hf_prefix: str, group: str) -> list:
     return [
         TensorMap(
             param=param_prefix + "linear_fc1.weight",
@@ -215,8 +225,11 @@ def rank_tensor_maps(
                 group="tp",
             )
         )
+    layer_maps = _layer_maps
+    if model_family(hf_config) == "deepseek_v3":
+        from megatron_rl.model.conversion.names_deepseek import deepseek_layer_maps as layer_maps
     for li in range(num_layers):
-        maps += _layer_maps(hf_config, layout, rank, rank.layer_offset + li, li)
+        maps += layer_maps(hf_config, layout, rank, rank.layer_offset + li, li)
     if rank.post_process:
         maps.append(
             TensorMap(

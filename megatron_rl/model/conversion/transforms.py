@@ -12,10 +12,15 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from megatron_rl.model.conversion.names import TensorMap, head_dim
+from megatron_rl.model.presets import model_family
 
 
 def hf_shape(name: str, cfg: Qwen3MoeConfig) -> tuple[int, ...]:
     """The shape of the HF tensor ``name`` under ``cfg``."""
+    if model_family(cfg) == "deepseek_v3":
+        from megatron_rl.model.conversion.names_deepseek import deepseek_hf_shape
+
+        return deepseek_hf_shape(name, cfg)
     h, d = cfg.hidden_size, head_dim(cfg)
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     leaf = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
