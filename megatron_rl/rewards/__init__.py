@@ -1,5 +1,6 @@
 """Reward functions (response text, reference answer) -> float, and batch scoring."""
 
+from megatron_rl.rewards.addition_trace_reward import score_addition_trace
 from megatron_rl.rewards.batch import RewardBatch, RewardFn, compute_rewards
 from megatron_rl.rewards.builtin_reward import score_builtin_response
 from megatron_rl.rewards.math_reward import math_reward
@@ -12,5 +13,6 @@ __all__ = [
     "compute_rewards",
     "get_reward_fn",
     "math_reward",
+    "score_addition_trace",
     "score_builtin_response",
 ]

@@ -6,6 +6,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 
+from megatron_rl.rewards.addition_trace_reward import score_addition_trace
 from megatron_rl.rewards.batch import RewardFn
 from megatron_rl.rewards.builtin_reward import score_builtin_response
 from megatron_rl.rewards.math_reward import math_reward
@@ -13,6 +14,7 @@ from megatron_rl.rewards.math_reward import math_reward
 _REWARDS: dict[str, Callable[[str, str], float]] = {
     "math": math_reward,
     "builtin": score_builtin_response,
+    "addition-trace": score_addition_trace,
 }
 
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, fields
 from megatron_rl.flags import bad_value, derived, option
 
 BUILTIN_EVAL_SET = "builtin"
-"""``--eval-prompt-data builtin``: the built-in task's held-out prompts
-(`megatron_rl.data.builtin_task.builtin_heldout`)."""
+"""``--eval-prompt-data builtin``: the held-out prompts of the built-in ``--task``
+(`megatron_rl.data.builtin_tasks`: ``successor``'s `builtin_heldout`, ``addition-trace``'s fixed
+set ``addition-trace-heldout``)."""
 
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")  # a set name: one metric-key component, no '/' or '='
 

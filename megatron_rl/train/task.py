@@ -5,7 +5,8 @@ the model, so a bad data file or reward fails in seconds with a message naming t
 field; ``python -m megatron_rl.train`` builds it once and hands it to the trainer. Given the
 evaluation config, it also loads the held-out sets (`add_eval_sets`: ``--eval-prompt-data``, read
 like ``--prompt-data`` with the evaluation's response length, or the built-in task's held-out
-prompts) and the evaluation reward.
+prompts) and the evaluation reward. Without ``--prompt-data`` the prompts, held-out split and
+reward are those of the built-in ``--task`` (`megatron_rl.data.builtin_tasks`).
 
 Prompt length: a prompt plus ``--max-response-length`` generated tokens must fit the model's
 context (``max_position_embeddings``), so the prompt limit is ``max_position_embeddings -
@@ -20,14 +21,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from megatron_rl.data import (
-    BuiltinTaskConfig,
-    PromptSampler,
-    builtin_task,
-    load_prompt_dataset,
-    load_tokenizer,
-)
-from megatron_rl.data.builtin_task import builtin_heldout
+from megatron_rl.data import PromptSampler, load_prompt_dataset, load_tokenizer
+from megatron_rl.data.builtin_tasks import builtin_task_spec, reward_name
 from megatron_rl.data.dataset import PROMPT_TOO_LONG
 from megatron_rl.model import preset_config
 from megatron_rl.model.presets import PRESET_NAMES, load_hf_config
@@ -65,11 +60,13 @@ def build_task(config: TaskConfig, evaluation: EvalConfig | None = None) -> Task
             f"--prompt-too-long {config.prompt_too_long!r}: choose one of "
             f"{', '.join(PROMPT_TOO_LONG)}"
         )
-    reward_fn = get_reward_fn(config.reward)  # cheap, so first
-    _check_reward_dependencies(config.reward)
+    reward = reward_name(config.task, config.reward)
+    reward_fn = get_reward_fn(reward)  # cheap, so first
+    _check_reward_dependencies(reward)
     builtin = config.prompt_data is None
     if builtin:
-        tokenizer, records = builtin_task(BuiltinTaskConfig(seed=config.seed))
+        _check_response_room(config.task, config.max_response_length, "--max-response-length")
+        tokenizer, records = builtin_task_spec(config.task).build(config.seed)
     else:
         tokenizer, records = _prompt_data_tokenizer(config), []
     hf_config, checkpoint_dir = load_policy_config(config, tokenizer)
@@ -78,7 +75,8 @@ def build_task(config: TaskConfig, evaluation: EvalConfig | None = None) -> Task
         longest = max(len(r.prompt_ids) for r in records)
         if longest > limit:
             raise ValueError(
-                f"the built-in task's prompts have {longest} tokens > {limit} ({source}); "
+                f"the built-in task {config.task}'s prompts have {longest} tokens > {limit} "
+                f"({source}); "
                 "lower --max-response-length or raise --max-prompt-length"
             )
     else:
@@ -110,9 +108,9 @@ def add_eval_sets(task: Task, config: TaskConfig, evaluation: EvalConfig) -> Tas
     A file set is read like ``--prompt-data`` (same tokenizer, ``--prompt-key`` /
     ``--answer-key``, chat template, ``--prompt-too-long``), its prompts limited to the model's
     context minus ``--eval-max-response-length``; ``builtin`` is the built-in task's held-out
-    split (`megatron_rl.data.builtin_task.builtin_heldout`). An error names the flag and set.
+    split of ``--task`` (`megatron_rl.data.builtin_tasks`). An error names the flag and set.
     """
-    reward = evaluation.reward
+    reward = reward_name(config.task, evaluation.reward)
     try:
         reward_fn = get_reward_fn(reward)
         _check_reward_dependencies(reward)
@@ -128,7 +126,8 @@ def add_eval_sets(task: Task, config: TaskConfig, evaluation: EvalConfig) -> Tas
     for name, path in evaluation.sets:
         where = f"--eval-prompt-data {name}={path}"
         if path == BUILTIN_EVAL_SET:
-            records = builtin_heldout(BuiltinTaskConfig(seed=config.seed))
+            _check_response_room(config.task, evaluation.max_response_length, flag)
+            records = builtin_task_spec(config.task).heldout(config.seed)
             longest = max(len(r.prompt_ids) for r in records)
             if longest > limit:
                 raise ValueError(
@@ -150,6 +149,17 @@ def add_eval_sets(task: Task, config: TaskConfig, evaluation: EvalConfig) -> Tas
                 raise ValueError(f"{where}: {err}") from None
         sets[name] = records
     return replace(task, eval_sets=sets, eval_reward_fn=reward_fn)
+
+
+def _check_response_room(task: str, max_response_length: int, flag: str) -> None:
+    """ValueError unless ``max_response_length`` holds every correct response of ``task``."""
+    needed = builtin_task_spec(task).min_response_tokens
+    if max_response_length < needed:
+        raise ValueError(
+            f"{flag} {max_response_length}: the built-in task {task}'s correct responses take up "
+            f"to {needed} tokens (<eos> included), so longer ones could never be right; pass "
+            f"{flag.split()[0]} {needed} or more"
+        )
 
 
 def _prompt_data_tokenizer(config: TaskConfig):

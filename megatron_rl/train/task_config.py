@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_rl.data.builtin_tasks import BUILTIN_TASK_NAMES, DEFAULT_TASK
 from megatron_rl.data.dataset import PROMPT_TOO_LONG
 from megatron_rl.flags import bad_value, check_choice, derived, option
 
@@ -17,6 +18,14 @@ class TaskConfig:
         "tiny", help="a preset (tiny, tiny-dense-tied, qwen3-30b-a3b, ...) or HF checkpoint"
     )
     prompt_data: str | None = option(None, help="JSONL/Parquet prompts; default: the built-in task")
+    task: str = option(
+        DEFAULT_TASK,
+        choices=BUILTIN_TASK_NAMES,
+        help="the built-in task without --prompt-data: successor (the successor of a digit; "
+        "default) or addition-trace (column-wise addition written out with its carries, "
+        "responses of 32-83 tokens: pass --max-response-length 83 or more); "
+        "megatron_rl/data/builtin_tasks.py",
+    )
     prompt_key: str = option(
         "prompt",
         help="--prompt-data field holding the prompt (a string or chat messages); a dotted path "
@@ -40,7 +49,9 @@ class TaskConfig:
         help="a prompt over that limit: error (default; names the row), drop the row, or "
         "truncate-left (keep its last tokens)",
     )
-    reward: str = option("builtin", help="builtin, math, or module:function")
+    reward: str = option(
+        "builtin", help="builtin (the built-in --task's own reward), math, or module:function"
+    )
     # a prompt gets the model's context minus the longest response
     max_response_length: int = derived(4, source="rollout.max_response_length")
     seed: int = derived(1234, source="parallel.seed")  # the prompt sampler's seed
@@ -49,6 +60,11 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check_choice(self, "prompt_too_long", PROMPT_TOO_LONG)
+        check_choice(self, "task", BUILTIN_TASK_NAMES)
+        if self.prompt_data is not None and self.task != DEFAULT_TASK:
+            raise bad_value(
+                self, "task", "names a built-in task, which --prompt-data replaces: drop one"
+            )
         for name in ("prompt_key", "answer_key"):
             key = getattr(self, name)
             if key is not None and (not key.strip() or "" in key.split(".")):

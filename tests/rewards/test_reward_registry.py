@@ -13,7 +13,7 @@ from megatron_rl.rewards import available_rewards, compute_rewards, get_reward_f
 
 
 def test_available_rewards_lists_builtins():
-    assert available_rewards() == ("builtin", "math")
+    assert available_rewards() == ("addition-trace", "builtin", "math")
 
 
 def test_builtin_reward_checks_first_symbol():
@@ -24,7 +24,9 @@ def test_builtin_reward_checks_first_symbol():
 
 
 def test_unknown_name_lists_available_and_module_syntax():
-    with pytest.raises(ValueError, match=r"unknown reward 'mth'; available: builtin, math, or "):
+    with pytest.raises(
+        ValueError, match=r"unknown reward 'mth'; available: addition-trace, builtin, math, or "
+    ):
         get_reward_fn("mth")
 
 

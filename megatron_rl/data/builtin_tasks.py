@@ -1,0 +1,79 @@
+"""The built-in tasks by name (``--task``): an explicit allowlist.
+
+=================  ===========================================  ==================  =============
+name               what                                         reward ("builtin")  response
+=================  ===========================================  ==================  =============
+``successor``      the successor of a digit (`builtin_task`)    ``builtin``         1 digit
+``addition-trace`` column-wise addition with written carries    ``addition-trace``  32-83 tokens
+                   (`addition_trace`), digits 3..8
+=================  ===========================================  ==================  =============
+
+Each has a fixed held-out split (``--eval-prompt-data builtin``): ``successor``'s is
+`builtin_heldout` (``<bos> 0 + d =``), ``addition-trace``'s is ``addition-trace-heldout``
+(`addition_trace_heldout`, pairs excluded from training by a fixed rule). ``--reward builtin``
+means "the built-in task's own reward" (`reward_name`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron_rl.data.addition_trace import (
+    AdditionTraceConfig,
+    addition_trace_heldout,
+    addition_trace_task,
+)
+from megatron_rl.data.builtin_task import BuiltinTaskConfig, builtin_heldout, builtin_task
+from megatron_rl.data.records import PromptRecord
+
+DEFAULT_TASK = "successor"
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinTaskSpec:
+    """One built-in task: its training records, held-out records and reward.
+
+    Attributes:
+        build: ``seed -> (tokenizer, training records)``.
+        heldout: ``seed -> held-out records`` (the same tokenizer).
+        reward: the reward name (`megatron_rl.rewards.get_reward_fn`) that scores it.
+        min_response_tokens: the shortest ``--max-response-length`` whose responses can all be
+            correct (``<eos>`` included); 1 where the reward reads only the first symbol.
+    """
+
+    build: Callable[[int], tuple[object, list[PromptRecord]]]
+    heldout: Callable[[int], list[PromptRecord]]
+    reward: str
+    min_response_tokens: int
+
+
+_TASKS: dict[str, BuiltinTaskSpec] = {
+    "successor": BuiltinTaskSpec(
+        build=lambda seed: builtin_task(BuiltinTaskConfig(seed=seed)),
+        heldout=lambda seed: builtin_heldout(BuiltinTaskConfig(seed=seed)),
+        reward="builtin",
+        min_response_tokens=1,
+    ),
+    "addition-trace": BuiltinTaskSpec(
+        build=lambda seed: addition_trace_task(AdditionTraceConfig(seed=seed)),
+        heldout=lambda seed: addition_trace_heldout(AdditionTraceConfig(seed=seed)),
+        reward="addition-trace",
+        min_response_tokens=AdditionTraceConfig().longest_response_tokens,
+    ),
+}
+
+BUILTIN_TASK_NAMES = tuple(_TASKS)
+
+
+def builtin_task_spec(name: str) -> BuiltinTaskSpec:
+    """The spec of built-in task ``name``; ValueError naming the known ones otherwise."""
+    if name not in _TASKS:
+        raise ValueError(f"unknown built-in task {name!r}; known: {', '.join(_TASKS)}")
+    return _TASKS[name]
+
+
+def reward_name(task: str, reward: str) -> str:
+    """The reward that scores built-in task ``task`` when ``--reward`` is ``reward``:
+    ``"builtin"`` is the task's own reward, any other name is itself."""
+    return builtin_task_spec(task).reward if reward == "builtin" else reward
