@@ -5,7 +5,8 @@ Where requests go. ``http.urls`` are the SGLang *worker* servers (``sglang.launc
 `score`) goes to the router when there is one, else straight to the workers with the client's
 own failover. Every control call goes to each worker URL, never to the router: pause / continue,
 ``/flush_cache``, ``/abort_request``, the weight updates and ``/update_weight_version``, the
-memory-occupation calls of ``--colocate`` (`release_memory` / `resume_memory`), and the
+memory-occupation calls of ``--colocate`` (`release_memory` / `resume_memory`; to every
+configured worker, `memory_occupation.ServerMemory`), and the
 weight-version reads of `health`. sglang-router 0.3.2 serves only ``/generate``, ``/health``,
 ``/health_generate``, ``/flush_cache``, ``/get_model_info`` (and the OpenAI routes), none of the
 pause, weight-update or weight-version routes, and it is no member of the weight-update process
@@ -39,23 +40,22 @@ with a RuntimeError instead of replaying wrong routes. See `sglang_payload` for 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import socket
 import threading
 import time
-import urllib.parse
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, check_url
-from megatron_rl.rollout.memory_occupation import check_memory_tags, memory_tags
+from megatron_rl.rollout.memory_occupation import ServerMemory
 from megatron_rl.rollout.protocol import check_generate_args
+from megatron_rl.rollout.server_hosts import check_same_host, handle_servers
 from megatron_rl.rollout.sglang_payload import (
     decode_generate,
     finish_reason,
@@ -68,6 +68,7 @@ from megatron_rl.rollout.weight_sync import (
     SyncReport,
     WeightSync,
     WeightSyncConfig,
+    WeightSyncError,
 )
 from megatron_rl.routing import CODECS, RoutingCodec
 
@@ -90,6 +91,13 @@ class SGLangEngineConfig:
     servers than this are left; a dead one is dropped and the run goes on with the others.
     ``reprobe``: how a dropped worker is probed in the background until it may rejoin
     (`megatron_rl.rollout.weight_sync.reprobe`).
+
+    ``colocated`` (``--colocate``): the servers share the trainer's GPUs, and a server failure
+    stops the run. Every sync needs every server (``min_servers`` is not used), so no server is
+    ever dropped or re-probed: a dropped server would keep its KV cache while the trainer
+    onloads, and a re-probe's ``/health`` generates on a server whose memory is released. No
+    router (generation on the trainer's GPUs only between the memory hand-overs); the
+    ``tensor`` transport's handles go from each rank to its own server (`server_hosts`).
     """
 
     http: HttpPoolConfig
@@ -104,6 +112,7 @@ class SGLangEngineConfig:
     sync: WeightSyncConfig = dataclasses.field(default_factory=WeightSyncConfig)
     min_servers: int = 1
     reprobe: ReprobeConfig = dataclasses.field(default_factory=ReprobeConfig)
+    colocated: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_servers, int) or self.min_servers < 1:
@@ -136,6 +145,12 @@ class SGLangEngineConfig:
                 f"SGLangEngineConfig.layer_pattern={self.layer_pattern!r}: one 0 (dense) or 1 "
                 "(MoE) per decoder layer, with at least one MoE layer"
             )
+        if self.router_url is not None and self.colocated:
+            raise ValueError(
+                f"SGLangEngineConfig.router_url={self.router_url!r} with colocated=True "
+                "(--sglang-router-url with --colocate): colocated servers are driven one by one; "
+                "drop the router URL"
+            )
         if self.router_url is not None:
             check_url(self.router_url, "SGLangEngineConfig.router_url")
             if self.router_url in self.http.urls:
@@ -143,6 +158,11 @@ class SGLangEngineConfig:
                     f"SGLangEngineConfig: {self.router_url} is both router_url and a worker URL; "
                     "give the router only as router_url (it serves no control routes)"
                 )
+
+    @property
+    def required_servers(self) -> int:
+        """Servers a weight sync needs: every one when colocated, else ``min_servers``."""
+        return len(self.http.urls) if self.colocated else self.min_servers
 
     @property
     def num_moe_layers(self) -> int:
@@ -174,9 +194,10 @@ class SGLangEngine:
             self.workers,
             config.sync,
             hf_config,
-            min_servers=config.min_servers,
+            min_servers=config.required_servers,
             reprobe=config.reprobe,
         )
+        self.memory = ServerMemory(self.workers)
         self._threads = ThreadPoolExecutor(max_workers=config.max_in_flight)
         self._version = 0
         self._aborted = 0  # samples aborted by a server and generated again (`take_aborted`)
@@ -326,9 +347,17 @@ class SGLangEngine:
         group's ranks per server (``--sglang-engine-ranks``): the group's world size and rank
         offsets would be wrong and the broadcast would hang. Workers that do not report
         ``tp_size`` are not checked. The ``tensor`` transport passes handles, not bytes: each
-        worker must run on this host (`check_same_host`)."""
+        worker that opens this rank's handles must run on this host (`server_hosts`: rank 0's
+        every worker, or colocated the rank's own; a 4-node colocated job checks on each rank
+        the server on its node)."""
         if self.config.sync.transport == "tensor":
-            for url in self.workers.members():
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            for url in handle_servers(
+                self.config.http.urls,
+                rank=rank,
+                engine_ranks=self.config.sync.engine_ranks,
+                colocated=self.config.colocated,
+            ):
                 check_same_host(url)
         want = self.config.sync.engine_ranks
         for url in self.workers.members():
@@ -370,8 +399,20 @@ class SGLangEngine:
     ) -> None:
         """Sync over the configured transport (`WeightSync.sync`); WeightSyncError on failure.
         ``stages``: the other pipeline stages' senders (`weight_sync.stages.RemoteStage`);
-        ``peers``: colocated, every trainer rank's handles (`weight_sync.rank_handles`)."""
-        self.last_sync = self.weight_sync.sync(named_tensors, version, stages=stages, peers=peers)
+        ``peers``: colocated, every trainer rank's handles (`weight_sync.rank_handles`).
+        Colocated, a sync that any server fails stops the run (see `SGLangEngineConfig`)."""
+        try:
+            self.last_sync = self.weight_sync.sync(
+                named_tensors, version, stages=stages, peers=peers
+            )
+        except WeightSyncError as err:
+            if not self.config.colocated:
+                raise
+            raise WeightSyncError(
+                f"--colocate: {err}. A colocated run needs every server (each shares its GPUs "
+                "with trainer ranks; one left out would keep its memory there while they train), "
+                "so the run stops: restart it with every server up"
+            ) from err
         self._version = version
 
     def flush_cache(self) -> None:
@@ -386,32 +427,15 @@ class SGLangEngine:
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """``/release_memory_occupation`` of ``tags`` (None: ``kv_cache``, ``weights`` and
-        ``cuda_graph``) on every member worker at once (colocated mode). Each server must be
-        idle; RuntimeError naming the servers that refused (SGLang itself dies there)."""
-        self._memory_call("/release_memory_occupation", tags)
+        ``cuda_graph``) on every configured worker at once (colocated mode), each once it is
+        idle (``/flush_cache`` polled, up to ``http.flush_timeout_s``). RuntimeError naming the
+        servers that stayed busy, failed or were dropped (`memory_occupation.ServerMemory`)."""
+        self.memory.release(tags)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """``/resume_memory_occupation`` of ``tags`` (None: all three) on every member worker;
-        each tag must have been released. RuntimeError naming the servers that failed."""
-        self._memory_call("/resume_memory_occupation", tags)
-
-    def _memory_call(self, path: str, tags: Sequence[str] | None) -> None:
-        payload = {"tags": list(memory_tags(check_memory_tags(tags)))}
-        failed: dict[str, str] = {}
-
-        def call(url: str) -> bool:
-            try:
-                self.workers.call_on(url, "POST", path, payload)
-            except RuntimeError as err:
-                failed[url] = str(err)
-                return False
-            return True
-
-        self.workers.each(call, self.workers.members())
-        if failed:
-            raise RuntimeError(
-                f"{path} {payload['tags']} failed on {len(failed)} servers: {failed}"
-            )
+        """``/resume_memory_occupation`` of ``tags`` (None: all three) on every configured
+        worker; each tag must have been released. RuntimeError naming the servers that failed."""
+        self.memory.resume(tags)
 
     def _abort_timed_out(self, url: str, payload: object) -> None:
         rid = payload.get("rid") if isinstance(payload, dict) else None
@@ -474,23 +498,3 @@ class SGLangEngine:
         if len(entries) != len(token_ids):
             raise RuntimeError(f"score: {len(entries)} input logprobs for {len(token_ids)} tokens")
         return torch.tensor([float(e[0]) for e in entries[1:]], dtype=torch.float32)
-
-
-def check_same_host(url: str) -> None:
-    """ValueError unless ``url``'s host is this machine (a loopback address or one of its own):
-    the ``tensor`` transport hands the server shared-memory names (CPU) or CUDA IPC handles
-    (GPU), which only processes on the sender's host can open."""
-    host = urllib.parse.urlparse(url).hostname or ""
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except OSError as err:
-        raise ValueError(f"{url}: cannot resolve {host!r}: {err}") from None
-    local = {"127.0.0.1", "::1"}
-    with contextlib.suppress(OSError):
-        local |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    if not all(a in local or a.startswith("127.") for a in addresses):
-        raise ValueError(
-            f"--weight-sync-transport tensor: {url} is not on this host ({socket.gethostname()}); "
-            "tensor handles only reach servers on the sender's node and GPUs. Use "
-            "--weight-sync-transport distributed"
-        )

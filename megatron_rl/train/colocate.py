@@ -16,16 +16,30 @@ servers' KV cache and CUDA graphs to reach that state. Only the rank that drives
 (``engine`` given: global rank 0) calls them; every rank offloads and onloads its own shard,
 and the barriers keep a rank from onloading before the servers released, or the servers from
 resuming before every rank offloaded.
+
+The end of the run (`Colocation.close`) leaves the servers as the last step left them: weights
+resident, KV cache and CUDA graphs released; nothing is resumed. Resuming them would put the
+KV cache and CUDA graphs back on GPUs that still hold every rank's weights, gradients and
+optimizer state (torch_memory_saver ends the server when that allocation fails), and doing it
+safely would take an offload on every rank and a barrier in ``close``, which also runs on the
+error paths, where a barrier can hang a failed rank instead of letting torchrun end the job.
+The launcher owns the servers: it starts them with the job and stops them when training ends
+(``examples/qwen3_moe/nodes.sh``), so colocated servers serve one run. A server kept past its
+run stays released: a next run's `release_generation_memory` would pause paused memory
+(torch_memory_saver exits), so restart the servers with the trainer.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch.distributed as dist
 
 from megatron_rl.rollout.memory_occupation import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS
 from megatron_rl.train.offload import TrainerOffload
+
+logger = logging.getLogger(__name__)
 
 GENERATION_TAGS = (KV_CACHE, CUDA_GRAPH)  # resumed for a rollout, after the weights are in
 
@@ -78,14 +92,16 @@ class Colocation:
         self.released.discard(WEIGHTS)
 
     def close(self) -> None:
-        """Leave the servers as they started, everything resident (a next run releases the
-        generation tags again, and SGLang's memory saver must not pause a region twice); the
-        trainer takes its memory back if a step ended while it was offloaded."""
+        """The run is over: no memory moves, the servers keep ``released`` released (see the
+        module docstring for why nothing is resumed) and the trainer's state stays where it is
+        (resident after a finished step; on host after an error mid-rollout, when onloading
+        next to the servers' KV cache could fail). No server call and no collective, so this
+        is safe on an error path."""
         if self.engine is not None and self.released:
-            self.engine.resume_memory(sorted(self.released))
-        self.released = set()
-        if self.offload.offloaded:
-            self.offload.onload()
+            logger.info(
+                "colocated run over: the servers keep %s released (their launcher stops them)",
+                sorted(self.released),
+            )
 
     def metrics(self) -> dict[str, float]:
         """``colocate/offload_s``, ``colocate/onload_s``, ``colocate/offloaded_bytes`` and

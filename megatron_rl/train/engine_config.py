@@ -143,6 +143,7 @@ class EngineConfig:
                 f"the trainer's GPUs; got --rollout-engine {self.kind} and "
                 f"--weight-sync-transport {self.weight_sync_transport})",
             )
+        self._check_sglang_only()
         if not (math.isfinite(self.weight_sync_min_gbps) and self.weight_sync_min_gbps > 0):
             raise bad_value(self, "weight_sync_min_gbps", "must be a number > 0 (GB/s)")
         if not self.sglang_startup_timeout > 0:
@@ -159,6 +160,34 @@ class EngineConfig:
                 self,
                 "sglang_reprobe_max_interval",
                 f"must be >= --sglang-reprobe-interval {self.sglang_reprobe_interval}",
+            )
+
+    def _check_sglang_only(self) -> None:
+        """What SGLang servers would ignore or cannot do: the in-process engine's dtype, and a
+        router or a partial server set under ``--colocate``."""
+        if self.kind == "sglang" and self.rollout_dtype != "float32":
+            raise bad_value(
+                self,
+                "rollout_dtype",
+                "sets the in-process engine's dtype only; SGLang servers serve in the dtype they "
+                "were started with. Drop --rollout-dtype and start the servers with --dtype "
+                "bfloat16, or --quantization fp8 for FP8 serving",
+            )
+        if not self.colocate:
+            return
+        if self.sglang_router_url is not None:
+            raise ValueError(
+                f"--sglang-router-url {self.sglang_router_url} with --colocate: colocated servers "
+                "are driven one by one on the trainer's GPUs (their memory hand-over, each rank's "
+                "weights to its own server); drop --sglang-router-url"
+            )
+        if self.sglang_min_servers not in (1, len(self.sglang_url)):
+            raise bad_value(
+                self,
+                "sglang_min_servers",
+                f"--colocate needs every one of the {len(self.sglang_url)} servers (a server "
+                "failure stops the run: a dropped one would keep its memory on the trainer's "
+                "GPUs); leave --sglang-min-servers unset",
             )
 
     @property

@@ -54,6 +54,7 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
         sync=sync,
         router_url=config.sglang_router_url,
         min_servers=config.sglang_min_servers,
+        colocated=config.colocate,
         startup_timeout_s=config.sglang_startup_timeout,
         reprobe=ReprobeConfig(
             interval_s=config.sglang_reprobe_interval,

@@ -61,27 +61,86 @@ def test_generation_health_and_weight_loads_are_refused_while_their_memory_is_re
         assert len(client.generate(PROMPTS[:1], PARAMS, n=1)) == 1
 
 
-def test_a_release_needs_an_idle_server_but_a_retract_pause_leaves_only_waiting_requests(servers):
-    (server,) = servers(1)
-    server.stall_s = 30.0
+def _stalled_request(server) -> threading.Thread:
+    """A ``/generate`` that runs on ``server`` until aborted (the stand-in's "stall" fault)."""
+    server.stall_s = 120.0
     server.before_request = lambda path, payload: "stall" if path == "/generate" else None
     stalled = threading.Thread(
         target=_post, args=(server, "/generate", {"input_ids": PROMPTS[0]}), daemon=True
     )
     stalled.start()
-    with _client([server]) as client:
-        while not server._running:
-            threading.Event().wait(0.01)
-        with pytest.raises(RuntimeError, match="only when server is idle"):
-            client.release_memory(["kv_cache"])
-        assert not server.memory.released()
-        _post(server, "/pause_generation", {"mode": "retract"})  # the request now waits
-        client.release_memory(["kv_cache"])
-        client.resume_memory(["kv_cache"])
-        _post(server, "/continue_generation", {})
-        _post(server, "/abort_request", {"abort_all": True})
+    while not server._running:
+        threading.Event().wait(0.01)
+    return stalled
+
+
+def test_the_stand_in_refuses_a_release_while_a_request_runs_unless_retract_paused(servers):
+    """SGLang asserts an idle scheduler on a release (and dies); the stand-in answers 400."""
+    (server,) = servers(1)
+    stalled = _stalled_request(server)
+    status, body = _post(server, "/release_memory_occupation", {"tags": ["kv_cache"]})
+    assert status == 400 and "only when server is idle" in body["error"]["message"]
+    assert not server.memory.released()
+    _post(server, "/pause_generation", {"mode": "retract"})  # the request now waits
+    assert _post(server, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    assert _post(server, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+    _post(server, "/continue_generation", {})
+    _post(server, "/abort_request", {"abort_all": True})
     stalled.join(timeout=10.0)
     assert not stalled.is_alive()
+
+
+def test_a_release_waits_until_the_running_request_ends(servers):
+    """The client polls /flush_cache until the server is idle, then releases: the request
+    running when the release was asked for ends first, and nothing is refused."""
+    (server,) = servers(1)
+    stalled = _stalled_request(server)
+    errors: list[Exception] = []
+
+    def release(client) -> None:
+        try:
+            client.release_memory(["kv_cache"])
+        except RuntimeError as err:
+            errors.append(err)
+
+    with _client([server]) as client:
+        releasing = threading.Thread(target=release, args=(client,))
+        releasing.start()
+        while "/flush_cache" not in server.requests and releasing.is_alive():
+            threading.Event().wait(0.01)  # until the release waits for idle (or gave up)
+        assert releasing.is_alive() and not errors and not server.memory.released(), errors
+        _post(server, "/abort_request", {"abort_all": True})  # the running request ends
+        releasing.join(timeout=60.0)
+        assert not releasing.is_alive() and not errors, errors
+        assert server.memory.released() == {"kv_cache"}
+        assert server.requests.count("/release_memory_occupation") == 1  # never refused
+    stalled.join(timeout=10.0)
+
+
+def test_a_server_still_busy_after_the_flush_timeout_fails_the_release_untouched(servers):
+    (server,) = servers(1)
+    stalled = _stalled_request(server)
+    http = HttpPoolConfig(urls=(server.url,), request_timeout_s=10.0, flush_timeout_s=0.2)
+    client = SGLangEngine(SGLangEngineConfig.from_hf_config(tiny_config(), http=http))
+    with client, pytest.raises(RuntimeError, match=r"not idle, so not released.*within 0.2 s"):
+        client.release_memory(None)
+    assert "/release_memory_occupation" not in server.requests
+    assert not server.memory.released()
+    _post(server, "/abort_request", {"abort_all": True})
+    stalled.join(timeout=10.0)
+
+
+def test_memory_calls_refuse_a_dropped_server_instead_of_skipping_it(servers):
+    """A server out of the pool would keep its KV cache and weights on GPUs the trainer is
+    about to take: the call names it and no server is touched."""
+    one, two = servers(2)
+    with _client([one, two]) as client:
+        client.workers.drop(two.url, "test: failed a sync")
+        with pytest.raises(RuntimeError, match=rf"servers \['{two.url}'\] left the pool"):
+            client.release_memory(None)
+        assert not one.memory.released() and not two.memory.released()
+        with pytest.raises(RuntimeError, match="left the pool"):
+            client.resume_memory(None)
 
 
 def test_the_tags_and_the_idle_check_are_sglangs():

@@ -181,6 +181,35 @@ def test_an_abort_all_mid_batch_regenerates_the_aborted_samples(server, hf_confi
     assert len(samples) == len(PROMPTS) * 2 and all(s.finish_reason != "abort" for s in samples)
 
 
+def test_a_release_waits_for_the_long_request_in_flight_and_the_server_lives(server, hf_config):
+    """SGLang asserts an idle scheduler on ``/release_memory_occupation`` and its scheduler dies
+    otherwise. The client's release polls ``/flush_cache`` first: asked for while a 150-token
+    request runs, it releases once that request has finished whole, and the server lives on."""
+    body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"max_new_tokens": 150, "ignore_eos": True, "temperature": 1.0},
+    }
+    answers = []
+    running = threading.Thread(
+        target=lambda: answers.append(
+            real.request(server.url, "POST", "/generate", body, timeout_s=300)
+        )
+    )
+    running.start()
+    busy = False
+    while running.is_alive() and not busy:  # a flush of an idle server is harmless
+        busy = real.request(server.url, "POST", "/flush_cache")[0] == 400
+    assert busy, "the request ended before the release: lengthen max_new_tokens"
+    with client_for(server, hf_config) as client:
+        client.release_memory(None)  # all three tags
+        assert not running.is_alive()  # the release waited for it
+        client.resume_memory(None)
+        assert len(client.generate(PROMPTS[:1], PARAMS)) == 1
+    running.join()
+    status, answer = answers[0]
+    assert status == 200 and answer["meta_info"]["completion_tokens"] == 150, answer
+
+
 @torch.no_grad()
 def _in_place_logprobs(old, new, prompt, response, at: int) -> torch.Tensor:
     """float32 [R - at]: ``response[at:]`` decoded by ``new`` over the KV cache ``old`` computed
@@ -511,7 +540,8 @@ def test_a_colocated_run_hands_the_real_servers_memory_back_and_forth(server, tm
     ``/release_memory_occupation`` and ``/resume_memory_occupation`` take every call of the
     hand-over (SGLang's scheduler asserts an idle server on release and dies on a resume of a
     tag not released: either would end this server), weights go by the ``tensor`` transport
-    inside a session, and the run leaves the server as it found it, generating. On CPU the
+    inside a session, and the run leaves the server with its KV cache and CUDA graphs released
+    (resumed here: a resume of anything else would end it), generating. On CPU the
     server's memory saver is off, so nothing is freed there: the calls and their order are what
     this run checks, the trainer's side is accounted by ``colocate/*``."""
     run_dir = tmp_path / "run"
@@ -532,6 +562,9 @@ def test_a_colocated_run_hands_the_real_servers_memory_back_and_forth(server, tm
     print(f"real SGLang, colocated: log-prob gaps {gaps}")
     assert all(r["colocate/trainer_resident_bytes_during_rollout"] == 0 for r in rows)
     assert max(gaps) < 0.05, gaps
+    tags = {"tags": ["kv_cache", "cuda_graph"]}  # what the run left released, nothing else
+    status, answer = real.request(server.url, "POST", "/resume_memory_occupation", tags)
+    assert status == 200, answer
     status, answer = real.request(
         server.url,
         "POST",

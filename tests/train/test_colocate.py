@@ -1,6 +1,7 @@
-"""``--colocate``: the flag's checks, and the real CLI against the loopback SGLang stand-in: the
-trainer holds no device bytes while the servers generate, the servers see SGLang's memory calls
-in slime's order, and the weights they load are the trainer's (log-prob gap, checksums)."""
+"""``--colocate``: the flag's checks, the end of a run (`Colocation.close`), and the real CLI
+against the loopback SGLang stand-in: the trainer holds no device bytes while the servers
+generate, the servers see SGLang's memory calls in slime's order, and the weights they load are
+the trainer's (log-prob gap, checksums)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,73 @@ def test_colocate_needs_sglang_servers_and_the_tensor_transport():
     with pytest.raises(ValueError, match="--weight-sync-transport distributed"):
         TrainConfig.from_flags(colocate=True, **SGLANG)
     TrainConfig.from_flags(colocate=True, weight_sync_transport="tensor", **SGLANG)
+
+
+def test_colocate_refuses_a_router_and_a_partial_server_set():
+    colocated = {"colocate": True, "weight_sync_transport": "tensor", **SGLANG}
+    with pytest.raises(ValueError, match=r"--sglang-router-url .* with --colocate"):
+        TrainConfig.from_flags(sglang_router_url="http://127.0.0.1:2", **colocated)
+    urls = tuple(f"http://127.0.0.1:{port}" for port in (1, 3, 4))
+    with pytest.raises(ValueError, match=r"--sglang-min-servers=2: --colocate needs every one"):
+        TrainConfig.from_flags(sglang_min_servers=2, **{**colocated, "sglang_url": urls})
+    two = {**colocated, "sglang_url": urls[:2]}
+    TrainConfig.from_flags(sglang_min_servers=2, **two)  # every server: what colocation needs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
+def test_the_in_process_engines_dtype_is_refused_for_sglang_servers(dtype):
+    """SGLang serves in the dtype its servers were started with: the flag would be ignored."""
+    with pytest.raises(ValueError, match=rf"--rollout-dtype='{dtype}': .*--quantization fp8"):
+        TrainConfig.from_flags(rollout_dtype=dtype, **SGLANG)
+    TrainConfig.from_flags(rollout_dtype=dtype)  # the in-process engine's
+
+
+class _Servers:
+    """The rank-0 engine's memory calls, each with the trainer's device bytes at that moment."""
+
+    def __init__(self, offload) -> None:
+        self.offload = offload
+        self.calls: list[tuple[str, tuple[str, ...], int]] = []
+
+    def release_memory(self, tags) -> None:
+        self.calls.append(("release", tuple(tags or ALL_TAGS), self.offload.resident_bytes()))
+
+    def resume_memory(self, tags) -> None:
+        self.calls.append(("resume", tuple(tags or ALL_TAGS), self.offload.resident_bytes()))
+
+
+def test_the_end_of_a_colocated_run_resumes_nothing_next_to_the_trainers_state():
+    """After a step the trainer holds its weights, gradients and optimizer state; `close` must
+    not resume the servers' KV cache and CUDA graphs beside them (torch_memory_saver ends the
+    server when that allocation fails on a GPU)."""
+    import torch
+
+    from megatron_rl.train.colocate import Colocation, release_generation_memory
+    from megatron_rl.train.offload import TrainerOffload
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+    offload = TrainerOffload(model, optimizer, device="cpu")
+    servers = _Servers(offload)
+    release_generation_memory(servers)
+    colocation = Colocation(offload, servers)
+    for _ in range(2):
+        colocation.before_rollout()
+        colocation.before_train()
+        colocation.before_sync()
+    held = offload.resident_bytes()
+    colocation.close()
+    assert held > 0 and offload.resident_bytes() == held  # the trainer kept its state
+    resumed_beside_trainer = [
+        c
+        for c in servers.calls
+        if c[0] == "resume" and set(c[1]) & {"kv_cache", "cuda_graph"} and c[2] > 0
+    ]
+    assert resumed_beside_trainer == []
+    assert servers.calls[-1] == ("resume", ("weights",), held)  # the last step's, not close's
+    assert colocation.released == {"kv_cache", "cuda_graph"}
 
 
 @pytest.mark.parametrize(
@@ -72,7 +140,7 @@ def _expected_calls(steps: int) -> list[tuple[str, list[str] | None]]:
             ("resume", ["weights"]),
             ("/update_weights_from_tensor", None),
         ]
-    return [*calls, ("resume", ["cuda_graph", "kv_cache"])]  # at the end: as they started
+    return calls  # nothing at the end: the servers stay released (Colocation.close)
 
 
 @pytest.mark.slow
@@ -109,7 +177,7 @@ def test_the_cli_colocates_trainer_and_servers_in_slimes_order(tmp_path):
         assert row["mismatch/train_rollout_logprob_abs_gap"] < 1e-4  # the trainer's weights
     assert calls == _expected_calls(steps=2)
     assert server.engine.weight_version == 2
-    assert server.memory.released() == set()  # the run gave back what it released
+    assert server.memory.released() == {"kv_cache", "cuda_graph"}  # left released at the end
 
 
 @pytest.mark.slow
