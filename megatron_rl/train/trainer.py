@@ -158,6 +158,12 @@ class Trainer:
         if self.is_generator and not engine_config.remote:
             self.engine = self._build_engine()
             self.pushes_weights = True
+        # the longest any rank waits for a sync to reach it (remote: rank 0 pushes the model)
+        sync_timeout_s = None
+        if engine_config.remote:
+            push_dtype = torch.bfloat16 if (config.model.dtype == "bfloat16") else torch.float32
+            model_bytes = hf_model_bytes(self.hf_config, push_dtype)
+            sync_timeout_s = weight_sync_timeout_s(model_bytes, engine_config.weight_sync_min_gbps)
         # this rank's part in every weight sync, chosen once (train/weight_publisher.py)
         self.publisher = build_weight_publisher(
             engine_config,
@@ -165,6 +171,7 @@ class Trainer:
             self.engine,
             owns_engine=self.pushes_weights,
             pipeline_group=self.pp_group if self.pp > 1 else None,
+            timeout_s=sync_timeout_s,
         )
         self.step_index = 0
         self.weight_version = 0
@@ -174,11 +181,7 @@ class Trainer:
         # remote: the other ranks wait for rank 0's push (see train/sync_wait.py)
         self.sync_wait = None
         if engine_config.remote:
-            push_dtype = torch.bfloat16 if (config.model.dtype == "bfloat16") else torch.float32
-            model_bytes = hf_model_bytes(self.hf_config, push_dtype)
-            self.sync_wait = SyncWait(
-                weight_sync_timeout_s(model_bytes, config.engine.weight_sync_min_gbps)
-            )
+            self.sync_wait = SyncWait(sync_timeout_s)
         async_ratio = (
             config.objective.behavior_logprobs == "trainer"
             and config.objective.rollout_correction == "none"

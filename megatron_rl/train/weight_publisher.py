@@ -157,14 +157,15 @@ class ColocatedServe:
 
 def build_weight_publisher(
     engine_config, shard: PolicyShard, engine: RolloutEngine | None, *, owns_engine: bool,
-    pipeline_group=None,
+    pipeline_group=None, timeout_s: float | None = None,
 ) -> WeightPublisher:  # fmt: skip
     """This rank's publisher (a collective with per-stage senders: their gloo group is made).
 
     ``engine_config``: the trainer's `EngineConfig` (``remote``, ``colocate``,
     ``per_stage_senders``, ``weight_sync_transport``, ``sglang_url``); ``owns_engine``: this
     rank pushes to ``engine`` (rank 0 for servers, a generator rank for its in-process engine);
-    ``pipeline_group``: given when PP > 1.
+    ``pipeline_group``: given when PP > 1; ``timeout_s``: the sync's own timeout, the longest a
+    later stage waits for its turn (without it, torch's 30-minute group default).
     """
     if engine_config.colocate:
         from megatron_rl.rollout.weight_sync.rank_handles import HandleLink
@@ -178,18 +179,20 @@ def build_weight_publisher(
         and engine_config.weight_sync_transport == "distributed"
     )
     if staged:
-        return _stage_publisher(shard, engine, pipeline_group)
+        return _stage_publisher(shard, engine, pipeline_group, timeout_s)
     if owns_engine:
         return EnginePush(shard, engine)
     return GatherOnly(shard)
 
 
-def _stage_publisher(shard: PolicyShard, engine, pipeline_group) -> WeightPublisher:
+def _stage_publisher(
+    shard: PolicyShard, engine, pipeline_group, timeout_s: float | None = None
+) -> WeightPublisher:
     """Rank 0: `StagePush`; a later stage's first rank: `StageServe`; others: gather only.
     Collective over the world (the stages' gloo group is made)."""
     from megatron_rl.rollout.weight_sync.stages import RemoteStage, StageLink, StageSender
 
-    link = StageLink.of_pipeline(pipeline_group)
+    link = StageLink.of_pipeline(pipeline_group, timeout_s)
     stage = link.stage_of(dist.get_rank())
     if stage == 0:
         engine = _sglang(engine, "per-stage senders")

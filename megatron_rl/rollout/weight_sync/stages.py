@@ -25,6 +25,7 @@ the rest of its stream, whose TP/EP gathers are collectives of its stage).
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -49,16 +50,22 @@ class StageLink:
     """A gloo group over the stage senders (``ranks[s]`` is stage s's first rank; ``ranks[0]``
     is global rank 0) and point-to-point messages on it (picklable objects)."""
 
-    def __init__(self, ranks: list[int]):
+    def __init__(self, ranks: list[int], timeout_s: float | None = None):
+        """``timeout_s``: the longest a rank waits for a message (the sync's own timeout); None
+        keeps torch's default group timeout (30 minutes)."""
         self.ranks = list(ranks)
+        self.timeout_s = timeout_s
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=float(timeout_s))
         # every rank of the world must take part in creating a group
-        self.group = dist.new_group(self.ranks, backend="gloo")
+        self.group = dist.new_group(self.ranks, backend="gloo", timeout=timeout)
 
     @classmethod
-    def of_pipeline(cls, pipeline_group: dist.ProcessGroup) -> StageLink:
+    def of_pipeline(
+        cls, pipeline_group: dist.ProcessGroup, timeout_s: float | None = None
+    ) -> StageLink:
         """The link over global rank 0's pipeline group (collective over the world)."""
         groups = all_gather_objects(dist.get_process_group_ranks(pipeline_group))
-        return cls(next(g for g in groups if 0 in g))
+        return cls(next(g for g in groups if 0 in g), timeout_s)
 
     def stage_of(self, rank: int) -> int | None:
         """The stage ``rank`` sends for, or None when it sends nothing."""
@@ -68,8 +75,18 @@ class StageLink:
         dist.send_object_list([obj], dst=rank, group=self.group)
 
     def recv(self, rank: int):
+        """The next object from ``rank``; WeightSyncError when none comes within the timeout."""
         box = [None]
-        dist.recv_object_list(box, src=rank, group=self.group)
+        try:
+            dist.recv_object_list(box, src=rank, group=self.group)
+        except RuntimeError as err:
+            if self.timeout_s is None or "timed out" not in str(err).lower():
+                raise
+            raise WeightSyncError(
+                f"rank {dist.get_rank()} waited more than {self.timeout_s:.0f} s for rank "
+                f"{rank}'s next weight-sync message (the sync's timeout: the model's bytes at "
+                "--weight-sync-min-gbps); the other rank is stuck or gone"
+            ) from err
         return box[0]
 
 
