@@ -30,6 +30,7 @@ setup(
         "math-verify[antlr4_13_2]>=0.9",
         "pyarrow>=15",
         "wandb>=0.19",
+        "tensorboard>=2.14",  # --tensorboard-dir only; imported when the flag is given
         # megatron-core's dist_checkpointing writer calls psutil in each writer process, outside
         # its error handling: without psutil a torch_dist save waits forever
         "psutil>=5.9",

@@ -5,11 +5,13 @@ megatron-core warns at import that Transformer Engine / Apex are absent and fall
 deprecated defaults. It also wraps its small fused elementwise functions in ``torch.compile`` at
 import, which loads torch._dynamo and torch._inductor for one function that this package's model
 reaches: about 2 s of CPU time at the CLI's start (torch._dynamo alone is imported later anyway,
-by torch's optimizers).
+by torch's optimizers). And its timers module imports ``torch.utils.tensorboard`` (0.5-0.7 s:
+tensorboard, protobuf) for a writer type this package never hands it.
 
-Entry points (``python -m megatron_rl.train``, tools) call `quiet_third_party_warnings` and
-`eager_megatron_fusions` before importing megatron; the library never does either itself, so
-users embedding it keep every warning and megatron's own choice of fuser.
+Entry points (``python -m megatron_rl.train``, tools) call `quiet_third_party_warnings`,
+`eager_megatron_fusions` and `defer_megatron_tensorboard` before importing megatron; the library
+never does any of them itself, so users embedding it keep every warning, megatron's own choice of
+fuser and its eager import.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ _SILENCED = (
 
 MEGATRON_JIT = "megatron.core.jit"
 """The megatron-core module whose ``jit_fuser`` decorates its fused elementwise functions."""
+MEGATRON_TIMERS = "megatron.core.timers"
+"""The megatron-core module that imports ``torch.utils.tensorboard.SummaryWriter`` at import."""
+TORCH_TENSORBOARD = "torch.utils.tensorboard"
 
 
 def quiet_third_party_warnings() -> None:
@@ -72,8 +77,8 @@ class _EagerFuserFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
-class _DisableFuserAfterExec(importlib.abc.Loader):
-    """Delegates to megatron's own loader; only ``exec_module`` adds a step after it."""
+class _DelegatingLoader(importlib.abc.Loader):
+    """Delegates to megatron's own loader; subclasses add a step to ``exec_module``."""
 
     def __init__(self, loader) -> None:
         self._loader = loader
@@ -84,8 +89,87 @@ class _DisableFuserAfterExec(importlib.abc.Loader):
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
+
+class _DisableFuserAfterExec(_DelegatingLoader):
+    """Calls the module's ``disable_jit_fuser()`` after executing it."""
+
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
         disable = getattr(module, "disable_jit_fuser", None)
         if callable(disable):
             disable()
+
+
+def defer_megatron_tensorboard() -> bool:
+    """Have ``megatron.core.timers`` import without importing ``torch.utils.tensorboard``, in this
+    process; call before megatron is imported.
+
+    megatron-core's timers module runs ``from torch.utils.tensorboard import SummaryWriter`` (a
+    fallback to None when that fails) only to recognise a writer passed to ``Timers.write``. The
+    module is executed with that import failing, as when tensorboard is not installed, and its
+    ``SummaryWriter`` then becomes `DeferredSummaryWriter`, which imports torch's class at its
+    first use (``isinstance``, a call): megatron behaves as before, and tensorboard is imported
+    only by the run that writes events (``--tensorboard-dir``).
+
+    Returns False, changing nothing, when either module is imported already.
+    """
+    if MEGATRON_TIMERS in sys.modules or TORCH_TENSORBOARD in sys.modules:
+        return False
+    if not any(isinstance(f, _DeferTensorBoardFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeferTensorBoardFinder())
+    return True
+
+
+def _torch_summary_writer() -> type:
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter
+
+
+class _DeferredType(type):
+    def __instancecheck__(cls, instance) -> bool:
+        return isinstance(instance, _torch_summary_writer())
+
+    def __subclasscheck__(cls, subclass) -> bool:
+        return issubclass(subclass, _torch_summary_writer())
+
+    def __call__(cls, *args, **kwargs):
+        return _torch_summary_writer()(*args, **kwargs)
+
+
+class DeferredSummaryWriter(metaclass=_DeferredType):
+    """``torch.utils.tensorboard.SummaryWriter`` imported on first use: ``isinstance(w, cls)``
+    and ``cls(...)`` answer as the real class does."""
+
+
+class _DeferTensorBoardFinder(importlib.abc.MetaPathFinder):
+    """Finds ``megatron.core.timers`` through the other finders, once, and returns its spec with
+    a loader that executes it while ``torch.utils.tensorboard`` cannot be imported."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != MEGATRON_TIMERS:
+            return None
+        sys.meta_path.remove(self)  # one use; also keeps the lookup below from recursing
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ExecWithoutTensorBoard(spec.loader)
+        return spec
+
+
+class _ExecWithoutTensorBoard(_DelegatingLoader):
+    """Executes the module with ``sys.modules["torch.utils.tensorboard"] = None`` (an import of
+    it raises ImportError), then lets its ``SummaryWriter`` be `DeferredSummaryWriter`."""
+
+    def exec_module(self, module) -> None:
+        if TORCH_TENSORBOARD in sys.modules:  # imported meanwhile: nothing left to save
+            self._loader.exec_module(module)
+            return
+        sys.modules[TORCH_TENSORBOARD] = None
+        try:
+            self._loader.exec_module(module)
+        finally:
+            if TORCH_TENSORBOARD in sys.modules and sys.modules[TORCH_TENSORBOARD] is None:
+                del sys.modules[TORCH_TENSORBOARD]
+        installed = importlib.util.find_spec("tensorboard") is not None
+        if installed and getattr(module, "SummaryWriter", False) is None:
+            module.SummaryWriter = DeferredSummaryWriter

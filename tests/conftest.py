@@ -1,6 +1,6 @@
 """Test-suite wide set-up: the multi-rank helpers of tests/model are importable from every test
 directory (``from qwen3_moe_testing import spawn_ranks``), and megatron's fused functions stay
-eager in test processes as in the CLI (`megatron_rl.quiet_imports.eager_megatron_fusions`)."""
+eager and tensorboard unimported in test processes as in the CLI (`megatron_rl.quiet_imports`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ sys.path.append(os.path.dirname(__file__))  # `from real_sglang import servers`
 
 import pytest
 
-from megatron_rl.quiet_imports import eager_megatron_fusions
+from megatron_rl.quiet_imports import defer_megatron_tensorboard, eager_megatron_fusions
 
 eager_megatron_fusions()
+defer_megatron_tensorboard()  # as the CLI: tensorboard only where a test writes events
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_rl.quiet_imports import eager_megatron_fusions
+from megatron_rl.quiet_imports import defer_megatron_tensorboard, eager_megatron_fusions
 
 
 def _python(code: str, *, cwd=None) -> str:
@@ -63,6 +63,49 @@ def test_eager_megatron_fusions_changes_nothing_once_megatron_jit_is_imported():
 
     before = list(sys.meta_path)
     assert eager_megatron_fusions() is False
+    assert sys.meta_path == before
+
+
+@pytest.mark.slow
+def test_defer_megatron_tensorboard_keeps_tensorboard_out_until_a_writer_is_used(tmp_path):
+    pytest.importorskip("tensorboard")
+    code = (
+        "import json, sys\n"
+        "from megatron_rl.quiet_imports import DeferredSummaryWriter, defer_megatron_tensorboard\n"
+        "installed = defer_megatron_tensorboard()\n"
+        "import megatron.core\n"
+        "import megatron.core.timers as timers\n"
+        "loaded = [m for m in ('tensorboard', 'torch.utils.tensorboard') if m in sys.modules]\n"
+        "deferred = timers.SummaryWriter is DeferredSummaryWriter\n"
+        "writer = timers.SummaryWriter(log_dir=sys.argv[1])  # megatron's name: the real class\n"
+        "from torch.utils.tensorboard import SummaryWriter\n"
+        "print(json.dumps({\n"
+        "    'installed': installed, 'loaded_with_megatron': loaded, 'deferred': deferred,\n"
+        "    'real': type(writer) is SummaryWriter,\n"
+        "    'isinstance': [isinstance(writer, timers.SummaryWriter),\n"
+        "                   isinstance(object(), timers.SummaryWriter)],\n"
+        "}))\n"
+        "writer.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code, str(tmp_path / "tb")],
+        capture_output=True, text=True, check=True, timeout=600, stdin=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "installed": True,
+        "loaded_with_megatron": [],
+        "deferred": True,
+        "real": True,
+        "isinstance": [True, False],  # megatron's Timers.write still recognises a writer
+    }
+
+
+def test_defer_megatron_tensorboard_changes_nothing_once_megatron_timers_is_imported():
+    import megatron.core.timers  # noqa: F401
+
+    before = list(sys.meta_path)
+    assert defer_megatron_tensorboard() is False
     assert sys.meta_path == before
 
 

@@ -19,6 +19,8 @@ from megatron_rl.lazy_exports import lazy_module
 # no wandb, output not a terminal); each is imported where its feature is used
 _NOT_ON_STARTUP_PATH = (
     "wandb.sdk",  # megatron-core's `import wandb` stays unexecuted (megatron_rl.lazy_module)
+    "tensorboard",  # only with --tensorboard-dir (megatron_rl.train.tensorboard_writer)
+    "torch.utils.tensorboard",
     "rich",
     "matplotlib",
     "math_verify",
@@ -74,10 +76,12 @@ def test_help_and_the_parse_step_import_no_megatron_transformers_or_compiler():
         "    except SystemExit:\n"
         "        pass\n"
         "after_help = sorted(sys.modules)\n"
-        # flags whose features need heavy modules later: wandb, math-verify, the SGLang client
+        # flags whose features need heavy modules later: wandb, math-verify, the SGLang client,
+        # tensorboard
         "parse_args(['--run-dir', 'unused', '--train-iters', '3', '--loss', 'gspo',\n"
         "            '--routing-replay', 'r2', '--wandb-project', 'p', '--reward', 'math',\n"
-        "            '--rollout-engine', 'sglang', '--sglang-url', 'http://127.0.0.1:1'])\n"
+        "            '--rollout-engine', 'sglang', '--sglang-url', 'http://127.0.0.1:1',\n"
+        "            '--tensorboard-dir', 'unused-tb'])\n"
         "print(json.dumps({'help': after_help, 'parse': sorted(sys.modules),\n"
         "                  'usage': help_text.getvalue()[:6]}))\n"
     )

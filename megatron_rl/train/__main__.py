@@ -16,7 +16,11 @@ import os
 import sys
 import traceback
 
-from megatron_rl.quiet_imports import eager_megatron_fusions, quiet_third_party_warnings
+from megatron_rl.quiet_imports import (
+    defer_megatron_tensorboard,
+    eager_megatron_fusions,
+    quiet_third_party_warnings,
+)
 from megatron_rl.train.config import parse_args
 
 DEBUG_ENV = "MEGATRON_RL_DEBUG"
@@ -41,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return _start_up_error(err)
     quiet_third_party_warnings()
     eager_megatron_fusions()  # before megatron is imported: see megatron_rl.quiet_imports
+    defer_megatron_tensorboard()  # tensorboard only with --tensorboard-dir (same module)
     from megatron_rl.train.checkpoint.folders import CheckpointDamaged
     from megatron_rl.train.run import TrainingStopped, resolve_load, run
     from megatron_rl.train.run_lock import RunFolderError

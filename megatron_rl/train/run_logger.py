@@ -1,4 +1,5 @@
-"""Per-step metrics to ``run_dir/metrics.jsonl``, to wandb, and to a console progress line.
+"""Per-step metrics to ``run_dir/metrics.jsonl``, to wandb, to TensorBoard and to a console
+progress line.
 
 Only the main rank logs (the trainer reduces metrics over ranks first). Each `RunLogger.log` call
 appends one flushed JSON line ``{"step": ..., **metrics}``; values that are not finite are
@@ -6,7 +7,9 @@ written as ``null`` and logged as a warning naming the metric, so a NaN never pa
 Resuming at ``initial_step`` drops the lines logged after that checkpoint, so the file holds
 every step once. Rows are never deleted otherwise: a fresh run (``initial_step`` 0) keeps an
 older file as ``metrics.jsonl.<UTC time>.bak`` (`set_aside`), and `claim_run_dir` refuses a
-fresh run into a run dir holding rows unless ``--overwrite-run-dir`` is given.
+fresh run into a run dir holding rows unless ``--overwrite-run-dir`` is given. With
+``--tensorboard-dir`` each row is also a set of TensorBoard scalars under the same names, at the
+same step (`megatron_rl.train.tensorboard_writer`).
 `plot_learning_curve` draws chosen metrics from the file with matplotlib's Agg canvas (no
 pyplot, no global backend change).
 """
@@ -22,13 +25,16 @@ import sys
 import tempfile
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_rl.atomic_io import atomic_write_text
-from megatron_rl.flags import derived, option
+from megatron_rl.flags import bad_value, derived, option
 from megatron_rl.train.run_lock import RunFolderError
+
+if TYPE_CHECKING:  # imported where --tensorboard-dir is given: a run without it loads nothing
+    from megatron_rl.train.tensorboard_writer import TensorBoardWriter
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +50,8 @@ DEFAULT_RUN_DIR = os.path.join(
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunLoggerConfig:
-    """Where metrics go. ``wandb_project=None`` or ``wandb_mode="disabled"`` turns wandb off."""
+    """Where metrics go. ``wandb_project=None`` or ``wandb_mode="disabled"`` turns wandb off;
+    ``tensorboard_dir=None`` (the default) writes no TensorBoard events."""
 
     run_dir: str = option(
         DEFAULT_RUN_DIR,
@@ -60,6 +67,11 @@ class RunLoggerConfig:
     wandb_project: str | None = option(None, help="log to wandb under this project")
     wandb_mode: str = option("offline", choices=_WANDB_MODES, help="wandb mode")
     wandb_run_name: str | None = option(None, name="wandb-exp-name", help="wandb run name")
+    tensorboard_dir: str | None = option(
+        None,
+        help="also write every metric as a TensorBoard scalar (same names as metrics.jsonl, x = "
+        "step) into this folder, with a 'timeline' chart of the time/* phases (custom scalars)",
+    )
     headline: tuple[str, ...] = ("reward/mean", "accuracy", "response_length/mean", "time/step")
     show_progress: bool = option(True, name="no-progress", help="no console progress bar")
 
@@ -68,6 +80,8 @@ class RunLoggerConfig:
             raise ValueError("RunLoggerConfig.run_dir='': give the folder for metrics.jsonl")
         if not isinstance(self.total_steps, int) or self.total_steps < 0:
             raise ValueError(f"RunLoggerConfig.total_steps={self.total_steps!r}: must be int >= 0")
+        if self.tensorboard_dir is not None and not self.tensorboard_dir:
+            raise bad_value(self, "tensorboard_dir", "give a folder, or leave it out (None)")
         if self.wandb_mode not in _WANDB_MODES:
             raise ValueError(
                 f"RunLoggerConfig.wandb_mode={self.wandb_mode!r}: must be one of {_WANDB_MODES}"
@@ -94,21 +108,37 @@ class RunLogger:
         self.path = os.path.join(config.run_dir, METRICS_FILE)
         self._file = None
         self._wandb_run = None
+        self._tensorboard: TensorBoardWriter | None = None
         self._progress: _Progress | None = None
         if not is_main:
             return
+        try:
+            self._open(run_config, initial_step)
+        except BaseException:
+            self.close()  # what was opened before the failure
+            raise
+
+    def _open(self, run_config: dict | None, initial_step: int) -> None:
+        config = self.config
         os.makedirs(config.run_dir, exist_ok=True)
         _drop_lines_after(self.path, initial_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
         if run_config is not None:
             text = json.dumps(run_config, indent=2, sort_keys=True, default=str)
             atomic_write_text(os.path.join(config.run_dir, RUN_CONFIG_FILE), text)
+        if config.tensorboard_dir is not None:
+            from megatron_rl.train.tensorboard_writer import TensorBoardWriter
+
+            self._tensorboard = TensorBoardWriter(
+                config.tensorboard_dir, initial_step=initial_step, run_config=run_config
+            )
         self._wandb_run = _init_wandb(config, run_config, resuming=initial_step > 0)
         if config.show_progress:
             self._progress = _Progress(config, initial_step)
 
     def log(self, step: int, metrics: dict[str, float | int | torch.Tensor]) -> None:
-        """Append ``{"step": step, **metrics}`` to the JSONL file, wandb and the progress line.
+        """Append ``{"step": step, **metrics}`` to the JSONL file, wandb, TensorBoard and the
+        progress line.
 
         Values are Python numbers, numpy scalars or one-element tensors (``.item()`` is taken).
         """
@@ -132,17 +162,23 @@ class RunLogger:
         self._file.flush()
         if self._wandb_run is not None:
             self._wandb_run.log(numbers, step=step)
+        if self._tensorboard is not None:
+            self._tensorboard.log(step, numbers)
         if self._progress is not None:
             self._progress.update(step, record)
 
     def close(self) -> None:
-        """Flush and close the file, finish the wandb run, stop the progress bar (idempotent)."""
+        """Flush and close the file and the TensorBoard events, finish the wandb run, stop the
+        progress bar (idempotent)."""
         if self._progress is not None:
             self._progress.close()
             self._progress = None
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
@@ -227,13 +263,18 @@ def _to_number(key: str, value: Any) -> float | int:
 
 def claim_run_dir(config: RunLoggerConfig, *, resumed: bool, auto_resume: bool = False) -> None:
     """Start-up check of ``run_dir`` (global rank 0, under its lock): a fresh run into a run dir
-    whose metrics.jsonl holds rows is a `RunFolderError` naming the fixes.
+    whose metrics.jsonl holds rows is a `RunFolderError` naming the fixes; so is a
+    ``--tensorboard-dir`` that is a file or cannot be written (`check_tensorboard_dir`).
 
     ``resumed``: a checkpoint is resumed (its rows up to that step are kept, see `RunLogger`).
     The old rows are kept aside instead (`set_aside`) with ``--overwrite-run-dir``, or when
     ``auto_resume`` (``--load`` is the ``--save`` folder and holds nothing yet: a requeued job
     that died before its first save cannot be given a flag).
     """
+    if config.tensorboard_dir is not None:
+        from megatron_rl.train.tensorboard_writer import check_tensorboard_dir
+
+        check_tensorboard_dir(config.tensorboard_dir)
     path = os.path.join(config.run_dir, METRICS_FILE)
     if resumed or not _holds_rows(path):
         return

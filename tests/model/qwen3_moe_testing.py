@@ -106,6 +106,10 @@ def spawn_ranks(worker: Callable, tmp_path, world_size: int, *args) -> None:
 
 def _run_rank(rank, worker, world_size, init_method, tmp_dir, args) -> None:
     torch.set_num_threads(1)
+    from megatron_rl.quiet_imports import defer_megatron_tensorboard, eager_megatron_fusions
+
+    eager_megatron_fusions()  # a spawned rank starts as the CLI does (no-ops once imported)
+    defer_megatron_tensorboard()
     from megatron_rl.backend import destroy_distributed
 
     try:
