@@ -39,6 +39,18 @@ FAILURE_METRIC = "reward/failed_frac"
 class LearningGuard:
     """Consecutive-step counts of the two conditions (``no_signal``, ``reward_failing``)."""
 
+    @classmethod
+    def from_config(cls, config) -> LearningGuard:
+        """The guard of a `TrainConfig` (``--max-no-signal-steps``,
+        ``--max-reward-failure-fraction``)."""
+        return cls(
+            config.schedule.max_no_signal_steps,
+            config.schedule.max_reward_failure_fraction,
+            prompts_per_step=config.rollout.rollout_batch_size,
+            reward=config.task.reward,
+            temperature=config.rollout.temperature,
+        )
+
     def __init__(
         self,
         max_steps: int,

@@ -22,6 +22,7 @@ update and weight sync, and reads `trained_prompts`; it never sees a sampler, a 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
 from megatron_rl.train.rollout_phase import rollout_params, run_rollout, score_rollout
 from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks, SyncRollouts
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,15 @@ class RolloutManager:
         self._share = functools.partial(broadcast_object, src=place.mp_src, group=place.mp_group)
         self.source = self._source()
         self.dynamic_sampling = self._dynamic_sampling()
+        objective = config.objective
+        if config.rollout.async_rollout and (
+            objective.behavior_logprobs == "trainer" and objective.rollout_correction == "none"
+        ):
+            logger.warning(
+                "--async-rollout with --behavior-logprobs trainer and no --rollout-correction: "
+                "the loss's ratio is taken against the current weights, not the policy that "
+                "generated the (one version old) samples; see megatron_rl/train/async_rollout.py"
+            )
 
     # ------------------------------------------------------------------ the step's batch
     def take(self, index: int, weight_version: int) -> RolloutBatch:

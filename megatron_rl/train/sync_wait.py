@@ -57,3 +57,15 @@ class SyncWait:
     def share(self, obj):
         """Rank 0's ``obj`` on every rank, waiting at most ``timeout_s`` for it."""
         return broadcast_object(obj, src=0, group=self.group)
+
+
+def remote_sync_timeout_s(config, hf_config) -> float | None:
+    """The longest any rank waits for a sync to reach it when rank 0 pushes the whole model to
+    remote servers (its bytes in the pushed dtype at ``--weight-sync-min-gbps``); None for the
+    in-process engine. ``config``: the `TrainConfig`."""
+    if not config.engine.remote:
+        return None
+    push_dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
+    return weight_sync_timeout_s(
+        hf_model_bytes(hf_config, push_dtype), config.engine.weight_sync_min_gbps
+    )

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_rl.backend import destroy_distributed, init_distributed
-from megatron_rl.backend.optimizer import build_optimizer, wrap_for_training
 from megatron_rl.backend.optimizer_config import step_lr
 from megatron_rl.collectives import (
     all_gather_objects,
@@ -43,8 +42,6 @@ from megatron_rl.collectives import (
 )
 from megatron_rl.losses import rollout_correction
 from megatron_rl.losses.clip_positions import clip_profile_from_counts
-from megatron_rl.model import build_model
-from megatron_rl.model.conversion.seeded_init import init_from_seed
 from megatron_rl.moe_layers import moe_layer_numbers
 from megatron_rl.rollout.protocol import RolloutEngine
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
@@ -61,9 +58,9 @@ from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
 from megatron_rl.train.offload import TrainerOffload
 from megatron_rl.train.pipeline import run_pass
-from megatron_rl.train.reference import ReferencePolicy
+from megatron_rl.train.policy import build_policy, build_reference
 from megatron_rl.train.rollout_manager import RolloutManager, rank_place
-from megatron_rl.train.sync_wait import SyncWait, hf_model_bytes, weight_sync_timeout_s
+from megatron_rl.train.sync_wait import SyncWait, remote_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
 from megatron_rl.train.token_versions import fresh_token_mask, token_staleness_metrics
 from megatron_rl.train.weight_publisher import PolicyShard, build_weight_publisher
@@ -118,22 +115,9 @@ class Trainer:
         self.pushes_weights = engine_config.remote and dist.get_rank() == 0
         if engine_config.colocate:  # the servers leave the GPUs to the model about to be built
             release_generation_memory(self.engine if self.pushes_weights else None)
-        options = config.model
-        model = build_model(self.hf_config, options)
-        if task.checkpoint_dir is not None:
-            from megatron_rl.model.conversion import load_checkpoint
-
-            load_checkpoint(model, task.checkpoint_dir, self.hf_config)
-        else:  # the same initial weights at every parallel layout (megatron's depend on it)
-            init_from_seed(model, self.hf_config, parallel.seed)
-        self.model = wrap_for_training(
-            model,
-            use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
-            overlap_grad_reduce=config.optimizer.overlap_grad_reduce,
-        )
-        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.model, self.optimizer = build_policy(config, self.hf_config, task.checkpoint_dir)
         self.objective = config.objective
-        self.reference = self._build_reference(options) if config.objective.kl_coef > 0 else None
+        self.reference = build_reference(config, self.hf_config, self.model.module, self.device)
         self.replay = build_replay_passes(
             self.model,
             config.replay,
@@ -148,22 +132,11 @@ class Trainer:
             pipeline_group=self.pp_group if self.pp > 1 else None,
         )
         self.nonfinite = NonFiniteGuard(config.schedule.max_bad_steps)
-        self.learning = LearningGuard(
-            config.schedule.max_no_signal_steps,
-            config.schedule.max_reward_failure_fraction,
-            prompts_per_step=config.rollout.rollout_batch_size,
-            reward=config.task.reward,
-            temperature=config.rollout.temperature,
-        )
+        self.learning = LearningGuard.from_config(config)
         if self.is_generator and not engine_config.remote:
             self.engine = self._build_engine()
             self.pushes_weights = True
-        # the longest any rank waits for a sync to reach it (remote: rank 0 pushes the model)
-        sync_timeout_s = None
-        if engine_config.remote:
-            push_dtype = torch.bfloat16 if (config.model.dtype == "bfloat16") else torch.float32
-            model_bytes = hf_model_bytes(self.hf_config, push_dtype)
-            sync_timeout_s = weight_sync_timeout_s(model_bytes, engine_config.weight_sync_min_gbps)
+        sync_timeout_s = remote_sync_timeout_s(config, self.hf_config)  # None: in-process
         # this rank's part in every weight sync, chosen once (train/weight_publisher.py)
         self.publisher = build_weight_publisher(
             engine_config,
@@ -179,19 +152,7 @@ class Trainer:
         place = rank_place(self.dp, self.dp_rank, self.dp_group, self.mp_src, self.mp_group)
         self.rollouts = RolloutManager(config, task, self.engine, place)
         # remote: the other ranks wait for rank 0's push (see train/sync_wait.py)
-        self.sync_wait = None
-        if engine_config.remote:
-            self.sync_wait = SyncWait(sync_timeout_s)
-        async_ratio = (
-            config.objective.behavior_logprobs == "trainer"
-            and config.objective.rollout_correction == "none"
-        )
-        if config.rollout.async_rollout and async_ratio:
-            logger.warning(
-                "--async-rollout with --behavior-logprobs trainer and no --rollout-correction: "
-                "the loss's ratio is taken against the current weights, not the policy that "
-                "generated the (one version old) samples; see megatron_rl/train/async_rollout.py"
-            )
+        self.sync_wait = SyncWait(sync_timeout_s) if engine_config.remote else None
         self.colocation = self._colocation()  # --colocate: who holds the GPUs, when
         self.sync_weights(version=0)
 
@@ -497,14 +458,6 @@ class Trainer:
         _accumulate(metrics, loss_metrics, 1.0 / self.config.updates_per_rollout)
 
     # ------------------------------------------------------------------ helpers
-    def _build_reference(self, options) -> ReferencePolicy:
-        """A frozen copy of the initial policy for the KL term (no routing replay)."""
-        reference = build_model(self.hf_config, dataclasses.replace(options, routing_replay=False))
-        reference.load_state_dict(self.model.module.state_dict(), strict=False)
-        return ReferencePolicy(
-            reference, self.device, offload=self.config.objective.reference_offload
-        )
-
     def sync_weights(self, version: int) -> None:
         """Push the policy to the engine as weight ``version`` (every rank streams its shard)."""
         self.publisher.publish(version)
