@@ -15,10 +15,15 @@ TMP_PREFIX = ".tmp-"  # temporary files of `atomic_write_text`; safe to delete w
 
 def atomic_write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a fsynced temporary file in the same folder."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a fsynced temporary file in the same folder."""
     fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=os.path.dirname(path) or ".")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

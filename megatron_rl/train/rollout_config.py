@@ -86,6 +86,22 @@ class RolloutConfig:
         "--mask-offpolicy-in-partial-rollout; see megatron_rl/train/token_versions.py)",
     )
 
+    save_rollouts: str | None = option(
+        None,
+        help="write each step's batch (samples, rewards, log-probs, routes, rollout metrics) "
+        "to DIR/step_<n>/rank_<dp rank>.pt (see megatron_rl/train/rollout_dump.py)",
+    )
+    load_rollouts: str | None = option(
+        None,
+        help="train from the batches a --save-rollouts run wrote to DIR instead of generating "
+        "(no prompts drawn; the training replays the writing run's bit for bit)",
+    )
+    rollout_only: bool = option(
+        False,
+        help="generate and score each step's batch (and write it with --save-rollouts) without "
+        "training or weight syncs: metrics of the rollouts only",
+    )
+
     def __post_init__(self) -> None:
         check_positive_ints(self, "rollout_batch_size", "n_samples_per_prompt")
         check_positive_ints(self, "max_response_length")
@@ -179,6 +195,39 @@ class RolloutConfig:
             raise ValueError(
                 f"--max-staleness {self.max_staleness} without --async-rollout: synchronous "
                 "rollouts are never stale; add --async-rollout or drop --max-staleness"
+            )
+        self._check_rollout_dumps()
+
+    def _check_rollout_dumps(self) -> None:
+        """--save-rollouts / --load-rollouts / --rollout-only against the schedule flags."""
+        if self.load_rollouts is not None:
+            if self.save_rollouts is not None:
+                raise ValueError(
+                    "--load-rollouts with --save-rollouts: a replay writes no new dump; drop "
+                    "--save-rollouts (the dump in --load-rollouts is the record)"
+                )
+            if self.rollout_only:
+                raise ValueError(
+                    "--rollout-only with --load-rollouts: a replay generates nothing and "
+                    "--rollout-only trains nothing; drop one of them"
+                )
+            drawing = {
+                "async_rollout": self.async_rollout,
+                "dynamic_sampling": self.dynamic_sampling,
+                "carry_over_groups": self.carry_over_groups > 0,
+            }
+            for name, given in drawing.items():
+                if given:
+                    flag = "--" + name.replace("_", "-")
+                    raise ValueError(
+                        f"--load-rollouts with {flag}: a replay trains each stored batch as "
+                        f"its step's, with no generation to schedule; drop {flag} "
+                        f"({type(self).__name__}.{name})"
+                    )
+        if self.rollout_only and self.async_rollout:
+            raise ValueError(
+                "--rollout-only with --async-rollout: without training there is nothing to "
+                "overlap generation with; drop --async-rollout"
             )
 
     @property

@@ -33,6 +33,7 @@ from megatron_rl.train.async_rollout import AsyncRollouts, generator_barrier
 from megatron_rl.train.carry_over import CarryOver
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
+from megatron_rl.train.rollout_dump import build_rollout_dump
 from megatron_rl.train.rollout_phase import rollout_params, run_rollout, score_rollout
 from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks, SyncRollouts
 
@@ -80,14 +81,21 @@ class RolloutManager:
                 "the loss's ratio is taken against the current weights, not the policy that "
                 "generated the (one version old) samples; see megatron_rl/train/async_rollout.py"
             )
+        self.dump = build_rollout_dump(config, task, place)  # --save/--load-rollouts, or None
 
     # ------------------------------------------------------------------ the step's batch
     def take(self, index: int, weight_version: int) -> RolloutBatch:
         """Rollout ``index``'s batch for this rank, refilled (``--dynamic-sampling``)."""
         self._index = index
+        if self.dump is not None and self.dump.replaying:  # the stored batch, nothing drawn
+            batch, self.reward_error = self.dump.replay(index, self.sampler.state_dict())
+            self.trained_prompts = batch.prompts
+            return batch
         batch = self.source.take(index, weight_version)
         if self.dynamic_sampling is not None:  # drop groups without signal, refill the batch
             batch = self.dynamic_sampling.fill(batch)
+        if self.dump is not None:  # --save-rollouts (train/rollout_dump.py)
+            self.dump.store(index, batch, self.reward_error)
         self.trained_prompts = batch.prompts
         if self.config.rollout.carry_over_groups:  # the finished groups, not the drawn ones
             n = self.config.rollout.n_samples_per_prompt

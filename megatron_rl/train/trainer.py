@@ -59,6 +59,7 @@ from megatron_rl.train.objective import objective
 from megatron_rl.train.offload import TrainerOffload
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.policy import build_policy, build_reference
+from megatron_rl.train.rollout_dump import rollout_only_step
 from megatron_rl.train.rollout_manager import RolloutManager, rank_place
 from megatron_rl.train.sync_wait import SyncWait, remote_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
@@ -168,6 +169,8 @@ class Trainer:
         after the rollout the step is abandoned (the prompts are drawn again after a resume) and
         None is returned; before an update the remaining updates are skipped and the step ends.
         """
+        if self.config.rollout.rollout_only:  # no update, no sync (train/rollout_dump.py)
+            return rollout_only_step(self)
         start = time.perf_counter()
         if self.colocation is not None:  # the trainer leaves the GPUs to the servers
             self.colocation.before_rollout()
