@@ -11,7 +11,7 @@ Arms (``--arms``): ``sync``; ``async-k1``, ``async-k2``, ``async-k4`` (``--async
 ``--carry-over-groups 4 --carry-over-round-tokens 8``: 4 groups more in flight, 8-token rounds);
 an arm the trainer refuses is skipped with a note in summary.md. Each (arm, repeat) is one process
 of ``python -m megatron_rl.train --rollout-engine sglang --sglang-url <its server>`` against a fresh
-loopback SGLang stand-in (``python -m megatron_rl.rollout.loopback_server``) started for that run
+loopback SGLang stand-in (``python -m megatron_rl.testing.loopback_server``) started for that run
 alone in a process of its own, so that generation and training run in two processes, as with a real
 engine. Runs go one at a time and interleaved: every repeat runs every arm, starting one arm later
 than the repeat before (rotation), so a slow spell of a shared machine hits every arm alike and no
@@ -411,7 +411,7 @@ def run_one(run: Run, out: Path, flags: list[str], server: list[str], args) -> N
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server_cmd = [sys.executable, "-m", "megatron_rl.rollout.loopback_server", "--port", str(port)]
+    server_cmd = [sys.executable, "-m", "megatron_rl.testing.loopback_server", "--port", str(port)]
     server_cmd += server
     command = [sys.executable, "-m", "megatron_rl.train", *flags, "--sglang-url", url]
     threads = {"OMP_NUM_THREADS": str(args.server_threads)}
@@ -548,7 +548,7 @@ def _main(argv: Sequence[str] | None) -> int:
         f"{args.torch_threads} --weight-sync-transport {args.weight_sync_transport} "
         f"{shlex.join(SETTING)} --train-iters {args.train_iters}`"
         + (f" `{shlex.join(args.extra)}`" if args.extra else "")
-        + " + the arm's flags, against its own `python -m megatron_rl.rollout.loopback_server "
+        + " + the arm's flags, against its own `python -m megatron_rl.testing.loopback_server "
         f"--torch-threads {args.server_threads}` (OMP_NUM_THREADS set alike); seed {args.seed} "
         "+ repeat; one run at a time, arms interleaved and rotated per repeat."
     )

@@ -26,8 +26,8 @@ from rich.table import Table
 from megatron_rl.model import preset_config
 from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig, SamplingParams
 from megatron_rl.rollout.http_pool import HttpPoolConfig
-from megatron_rl.rollout.loopback_server import LoopbackServer
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+from megatron_rl.testing.loopback_server import LoopbackServer
 
 
 def median_time(fn, repeats: int) -> float:

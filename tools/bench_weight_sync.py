@@ -124,8 +124,8 @@ def measure(hidden: int, repeats: int, bucket_bytes: int, disk_root: str) -> dic
     from megatron_rl.model.conversion import iter_hf_tensors
     from megatron_rl.rollout import InProcessEngine
     from megatron_rl.rollout.http_pool import HttpPoolConfig
-    from megatron_rl.rollout.loopback_server import LoopbackServer
     from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
+    from megatron_rl.testing.loopback_server import LoopbackServer
 
     config = make_config(hidden)
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}

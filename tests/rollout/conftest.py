@@ -7,7 +7,7 @@ import contextlib
 import pytest
 from rollout_testing import make_engine
 
-from megatron_rl.rollout.loopback_server import LoopbackServer
+from megatron_rl.testing.loopback_server import LoopbackServer
 
 
 @pytest.fixture(scope="module")

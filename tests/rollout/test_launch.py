@@ -80,7 +80,7 @@ def test_wait_healthy_reports_a_process_that_exited():
 @pytest.mark.slow
 def test_start_wait_generate_stop_a_server_subprocess(tmp_path):
     port = _free_port()
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.loopback_server", "--port", str(port)]
+    cmd = [sys.executable, "-m", "megatron_rl.testing.loopback_server", "--port", str(port)]
     process = start_process(cmd, log_path=tmp_path / "server.log")
     try:
         url = f"http://127.0.0.1:{port}"

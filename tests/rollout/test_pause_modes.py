@@ -33,10 +33,10 @@ from transformers import DynamicCache
 from megatron_rl.rollout import InProcessEngineConfig, SamplingParams
 from megatron_rl.rollout.http_pool import HttpPoolConfig, request_json
 from megatron_rl.rollout.inprocess import version_spans
-from megatron_rl.rollout.loopback_server import LoopbackServer
 from megatron_rl.rollout.sampling import row_seed
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 from megatron_rl.rollout.weight_sync import WeightSyncConfig
+from megatron_rl.testing.loopback_server import LoopbackServer
 
 PROMPT = [5, 17, 33, 2]
 PARAMS = SamplingParams(max_new_tokens=12, seed=11)

@@ -15,7 +15,7 @@ from torchrun_cli import torchrun_train
 
 from megatron_rl.model.presets import load_hf_config
 from megatron_rl.rollout import InProcessEngine
-from megatron_rl.rollout.loopback_server import LoopbackServer
+from megatron_rl.testing.loopback_server import LoopbackServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 STEPS = 2

@@ -69,7 +69,7 @@ def test_health_timeouts_allow_sglangs_health_handler():
     assert HttpPoolConfig(urls=("http://h:1",)).health_timeout_s > SGLANG_HEALTH_CHECK_TIMEOUT_S
     assert launch.DEFAULT_PROBE_TIMEOUT_S > SGLANG_HEALTH_CHECK_TIMEOUT_S
     # the stand-in sleeps likewise by default
-    loopback = Path(__file__).parents[2] / "megatron_rl/rollout/loopback_server.py"
+    loopback = Path(__file__).parents[2] / "megatron_rl/testing/loopback_server.py"
     assert "self.health_delay_s = 1.0" in loopback.read_text(encoding="utf-8")
 
 

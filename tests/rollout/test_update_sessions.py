@@ -17,9 +17,9 @@ from rollout_testing import PROMPTS, make_engine, tiny_config
 
 from megatron_rl.rollout import SamplingParams
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, request_json
-from megatron_rl.rollout.loopback_server import LoopbackServer
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig, check_same_host
 from megatron_rl.rollout.weight_sync import WeightSyncConfig, WeightSyncError
+from megatron_rl.testing.loopback_server import LoopbackServer
 
 SESSION_TRANSPORTS = ("distributed", "tensor")
 

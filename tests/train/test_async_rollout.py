@@ -234,7 +234,7 @@ def test_async_rollouts_through_the_sglang_http_client(tmp_path):
     server stands in for SGLang; weights synced through the disk transport)."""
     from megatron_rl.data import BuiltinTaskConfig, builtin_task
     from megatron_rl.rollout import InProcessEngine
-    from megatron_rl.rollout.loopback_server import LoopbackServer
+    from megatron_rl.testing.loopback_server import LoopbackServer
     from megatron_rl.train.task import load_policy_config
 
     config = small_config(tmp_path, async_rollout=True, train_iters=3)

@@ -204,8 +204,8 @@ def test_two_generator_ranks_sync_only_after_both_batches_are_done(tmp_path):
 
     from megatron_rl.model.presets import load_hf_config
     from megatron_rl.rollout import InProcessEngine
-    from megatron_rl.rollout.loopback_server import LoopbackServer
     from megatron_rl.rollout.sampling import row_seed
+    from megatron_rl.testing.loopback_server import LoopbackServer
 
     model = write_tiny_checkpoint(tmp_path / "hf")
     server = LoopbackServer(InProcessEngine.from_hf_config(load_hf_config(model), seed=9))

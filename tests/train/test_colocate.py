@@ -110,7 +110,7 @@ def _server(config: TrainConfig):
     """A loopback server over the policy's architecture; records the memory calls in order."""
     from megatron_rl.data import BuiltinTaskConfig, builtin_task
     from megatron_rl.rollout import InProcessEngine
-    from megatron_rl.rollout.loopback_server import LoopbackServer
+    from megatron_rl.testing.loopback_server import LoopbackServer
     from megatron_rl.train.task import load_policy_config
 
     tokenizer, _ = builtin_task(BuiltinTaskConfig(seed=config.parallel.seed))

@@ -97,7 +97,7 @@ def test_the_trainer_uses_exactly_the_protocol(tmp_path, monkeypatch):
     """Sync and async steps with the in-process engine, then async steps against the SGLang
     client (the loopback server stands in for SGLang): the engine attributes the trainer reads
     are the protocol's methods, so the protocol declares nothing the trainer does not call."""
-    from megatron_rl.rollout.loopback_server import LoopbackServer
+    from megatron_rl.testing.loopback_server import LoopbackServer
 
     config = small_config(tmp_path, train_iters=2)
     local = _train_recording(config, rendezvous(tmp_path, "a"), monkeypatch)

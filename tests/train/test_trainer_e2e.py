@@ -248,7 +248,7 @@ def test_the_trainer_drives_an_sglang_server_by_configuration_only(tmp_path):
     engine, with R3 routes over HTTP and weights synced through the disk transport."""
     from megatron_rl.data import BuiltinTaskConfig, builtin_task
     from megatron_rl.rollout import InProcessEngine
-    from megatron_rl.rollout.loopback_server import LoopbackServer
+    from megatron_rl.testing.loopback_server import LoopbackServer
     from megatron_rl.train.task import load_policy_config
 
     config = small_config(tmp_path)

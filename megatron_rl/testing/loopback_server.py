@@ -757,7 +757,7 @@ def _deserialize_tensors(entry: str, load_format: str | None) -> list[tuple[str,
 
 
 def main() -> None:
-    """``python -m megatron_rl.rollout.loopback_server --port P``: serve a random tiny model."""
+    """``python -m megatron_rl.testing.loopback_server --port P``: serve a random tiny model."""
     from megatron_rl.model import preset_config
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
