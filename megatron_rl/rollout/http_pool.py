@@ -346,7 +346,7 @@ class HttpPool:
         with self._lock:
             self._down_until[url] = time.monotonic() + self.config.down_s
 
-    def _pick(self, avoid: str | None) -> str:
+    def _pick(self, avoid: str | None, choose: Callable[[list[str]], str] | None = None) -> str:
         candidates = self.healthy_urls()
         if not candidates:
             members = self.members()
@@ -362,8 +362,12 @@ class HttpPool:
             )
         if avoid in candidates and len(candidates) > 1:
             candidates.remove(avoid)
+        url = choose(candidates) if choose is not None else None
+        if url is not None and url not in candidates:
+            raise RuntimeError(f"choose picked {url}, which is not among {candidates}")
         with self._lock:
-            url = min(candidates, key=lambda u: self._in_flight[u])
+            if url is None:
+                url = min(candidates, key=lambda u: self._in_flight[u])
             self._in_flight[url] += 1
         return url
 
@@ -375,9 +379,10 @@ class HttpPool:
         *,
         what: str = "request",
         on_timeout: Callable[[str, object], None] | None = None,
+        choose: Callable[[list[str]], str] | None = None,
     ) -> object:
         """POST to one healthy server, retrying and failing over; returns the decoded answer."""
-        return self.call("POST", path, payload, what=what, on_timeout=on_timeout)
+        return self.call("POST", path, payload, what=what, on_timeout=on_timeout, choose=choose)
 
     def call(
         self,
@@ -387,10 +392,14 @@ class HttpPool:
         *,
         what: str,
         on_timeout: Callable[[str, object], None] | None = None,
+        choose: Callable[[list[str]], str] | None = None,
     ) -> object:
         """``payload`` may be a callable: called once per attempt (e.g. for a fresh request id);
         an exception it raises ends the call (e.g. the batch was cancelled). ``on_timeout(url,
-        payload)`` runs after a read timeout, before the retry (e.g. to abort that request)."""
+        payload)`` runs after a read timeout, before the retry (e.g. to abort that request).
+        ``choose(candidates)`` picks each attempt's server among the healthy members (less the
+        one the previous attempt failed on, when another is left) instead of the least loaded
+        (`prompt_affinity.PromptAffinity`: a prompt's samples on one server)."""
         last_error = "no attempt"
         url = None
         for attempt in range(self.config.max_attempts):
@@ -398,7 +407,7 @@ class HttpPool:
                 self.retries += 1
                 delay = min(self.config.backoff_max_s, self.config.backoff_s * 2 ** (attempt - 1))
                 time.sleep(delay)
-            url = self._pick(avoid=url)
+            url = self._pick(avoid=url, choose=choose)
             body = None
             try:
                 body = payload() if callable(payload) else payload

@@ -17,7 +17,10 @@ given: sglang-router 0.3.2 forwards a fixed set of ``/generate`` fields and drop
 ``return_routed_experts`` (``tests/rollout/test_real_router.py`` runs the real binary).
 
 Every sample is one ``/generate`` request (``n = 1``) with its own slot in the result list, run by
-a pool of ``max_in_flight`` threads. A retried request (timeout, dropped connection, 5xx; see
+a pool of ``max_in_flight`` threads. Sent to the workers directly (no router, or R3), all samples
+of a prompt go to one worker, which reuses the prompt's KV from its prefix cache; when that
+worker fails mid-batch the prompt's remaining samples move together (`prompt_affinity`, which
+also says what the router does instead). A retried request (timeout, dropped connection, 5xx; see
 `HttpPool`) carries a fresh ``rid`` and fills the same slot, so no sample is lost or duplicated:
 the batch returns exactly ``len(prompts) * n`` samples or raises. An answer whose
 ``finish_reason`` is ``abort`` (HTTP 200 with a partial answer: ``/abort_request``, a pause in
@@ -54,6 +57,7 @@ import torch.distributed as dist
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, check_url
 from megatron_rl.rollout.memory_occupation import ServerMemory
+from megatron_rl.rollout.prompt_affinity import PromptAffinity
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.server_hosts import check_same_host, handle_servers
 from megatron_rl.rollout.sglang_payload import (
@@ -230,17 +234,10 @@ class SGLangEngine:
         check_generate_args(prompts, n, None)
         batch = uuid.uuid4().hex[:12]
         cancelled = threading.Event()
+        state = (batch, cancelled, PromptAffinity(n))  # affinity: sent to the workers directly
+        routes = return_routed_experts
         futures = [
-            self._threads.submit(
-                self._one,
-                [int(t) for t in prompt],
-                params,
-                i,
-                j,
-                batch,
-                return_routed_experts,
-                cancelled,
-            )
+            self._threads.submit(self._one, list(map(int, prompt)), params, i, j, routes, state)
             for i, prompt in enumerate(prompts)
             for j in range(n)
         ]
@@ -259,7 +256,8 @@ class SGLangEngine:
         ]
         return samples
 
-    def _one(self, prompt, params, i, j, batch, routes, cancelled) -> RolloutSample:
+    def _one(self, prompt, params, i, j, routes, state) -> RolloutSample:
+        batch, cancelled, affinity = state
         attempt = iter(range(1 << 30))
 
         def payload() -> dict:  # a fresh rid per attempt: servers reject duplicate ids
@@ -277,11 +275,16 @@ class SGLangEngine:
         # sglang-router 0.3.2 drops return_routed_experts from the body it forwards (its
         # request type has no such field): R3 generation goes to the workers directly
         pool = self.workers if routes else self.pool
+        choose = affinity.chooser(i) if pool is self.workers else None  # else the router's
         what = f"sample (prompt {i}, sample {j})"
         for _ in range(self.config.max_abort_retries + 1):
-            body = pool.post("/generate", payload, what=what, on_timeout=self._abort_timed_out)
+            body = pool.post(
+                "/generate", payload, what=what, on_timeout=self._abort_timed_out, choose=choose
+            )
             reason = finish_reason(body)
             if reason.get("type") != "abort":
+                if choose is not None:
+                    affinity.answered(i)
                 return decode_generate(
                     body,
                     prompt=prompt,
