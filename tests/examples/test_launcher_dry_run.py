@@ -8,8 +8,14 @@ from __future__ import annotations
 import pytest
 from launcher_cases import CASES, fixture, run_case
 
+# the fast lane keeps one node of each launcher and one SLURM entry; the full suite runs all 58
+FAST = {"30b_node0", "235b_node0", "colocated_node0", "slurm_30b"}
 
-@pytest.mark.parametrize("name", sorted(CASES))
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[] if n in FAST else [pytest.mark.slow]) for n in sorted(CASES)],
+)
 def test_dry_run_output_matches_the_pinned_output(name):
     assert run_case(name) == fixture(name).read_text()
 

@@ -53,7 +53,9 @@ def threads(request):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-mismatch"])
-@pytest.mark.parametrize("num_tokens", [1, 3, 64, 300])
+@pytest.mark.parametrize(
+    "num_tokens", [1, 3, 64, pytest.param(300, marks=pytest.mark.slow)]
+)  # 300 tokens: the full suite (over 2.5 s in the fast lane)
 def test_padded_bmm_equals_grouped_mm_bitwise_in_bf16(preset, num_tokens, threads):
     experts = _experts(preset, torch.bfloat16)
     top_k = preset_config(preset).num_experts_per_tok
@@ -66,6 +68,7 @@ def test_padded_bmm_equals_grouped_mm_bitwise_in_bf16(preset, num_tokens, thread
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_padded_bmm_is_within_rounding_of_grouped_mm_in_fp32():
     # Not bitwise in fp32: MKL picks its kernel by the row count (on AVX2: 1, 2-3, 4+ rows) and
     # splits rows by thread count, so a [count, H] product and the padded [C, H] one can round
@@ -78,6 +81,7 @@ def test_padded_bmm_is_within_rounding_of_grouped_mm_in_fp32():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_engine_draws_the_same_samples_and_routes_with_padded_bmm():
     params = SamplingParams(max_new_tokens=6, seed=3)
     samples = {}

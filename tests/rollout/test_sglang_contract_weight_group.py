@@ -90,8 +90,11 @@ def _sglang_server_rank(conn, port: int, world_size: int, group_name: str, bucke
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "under_torchrun,flattened",
-    [(False, True), (True, True), (False, False)],
-    ids=["flattened", "flattened_torchrun_agent_store", "per_tensor"],
+    [
+        pytest.param(False, True, marks=pytest.mark.slow, id="flattened"),
+        pytest.param(True, True, marks=pytest.mark.slow, id="flattened_torchrun_agent_store"),
+        pytest.param(False, False, id="per_tensor"),  # the fast lane keeps one (3 s each)
+    ],
 )
 def test_trainer_group_interoperates_with_sglangs_init_custom_process_group(
     monkeypatch, under_torchrun, flattened
