@@ -19,8 +19,7 @@ Its ids are fixed (and never change between releases):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar
+from megatron_rl.data.symbol_tokenizer import SymbolTokenizer
 
 PAD_ID, BOS_ID, EOS_ID, PLUS_ID, EQUALS_ID, DIGIT0_ID = 0, 1, 2, 3, 4, 5
 SYMBOLS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "+", "=", *map(str, range(10)), "?")
@@ -28,7 +27,7 @@ SYMBOLS: tuple[str, ...] = ("<pad>", "<bos>", "<eos>", "+", "=", *map(str, range
 _SPECIAL_IDS = frozenset({PAD_ID, BOS_ID, EOS_ID})
 
 
-class BuiltinTokenizer:
+class BuiltinTokenizer(SymbolTokenizer):
     """The task's whitespace tokenizer over `SYMBOLS` (satisfies the `Tokenizer` protocol).
 
     ``encode`` splits on whitespace and maps each symbol to its id (ValueError for an unknown
@@ -36,33 +35,9 @@ class BuiltinTokenizer:
     ValueError for an id outside ``[0, vocab_size)``.
     """
 
-    vocab_size: int = len(SYMBOLS)
+    SYMBOLS = SYMBOLS
+    HIDDEN_IDS = _SPECIAL_IDS
+    VOCABULARY = "the built-in task's vocabulary"
     eos_token_id: int = EOS_ID
     pad_token_id: int = PAD_ID
     bos_token_id: int = BOS_ID
-    has_chat_template: bool = False
-
-    _ids: ClassVar[dict[str, int]] = {symbol: index for index, symbol in enumerate(SYMBOLS)}
-
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        for symbol in text.split():
-            if symbol not in self._ids:
-                raise ValueError(
-                    f"symbol {symbol!r} is not in the built-in task's vocabulary {SYMBOLS}"
-                )
-            ids.append(self._ids[symbol])
-        return ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        symbols = []
-        for token in ids:
-            token = int(token)
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"token id {token} is outside [0, {self.vocab_size})")
-            if token not in _SPECIAL_IDS:
-                symbols.append(SYMBOLS[token])
-        return " ".join(symbols)
-
-    def __repr__(self) -> str:
-        return f"BuiltinTokenizer(vocab_size={self.vocab_size})"
