@@ -146,9 +146,10 @@ class TrainConfig:
                 "--routing-replay r2"
             )
         objective = self.objective
+        schedule = self.rollout.schedule
         spanning = {
-            "--partial-rollout": self.rollout.partial_rollout,
-            "--carry-over-groups": self.rollout.carry_over_groups > 0,
+            "--partial-rollout": schedule.partial,
+            "--carry-over-groups": schedule.carry_over,
         }
         flag = next((name for name, on in spanning.items() if on), None)
         if (
@@ -163,7 +164,7 @@ class TrainConfig:
                 "--behavior-logprobs trainer"
             )
         if (
-            self.rollout.partial_rollout
+            schedule.partial
             and self.engine.kind == "sglang"
             and self.engine.sglang_pause_mode == "abort"
         ):
@@ -191,7 +192,7 @@ class TrainConfig:
         """``--colocate``: one phase holds the GPUs at a time (train/colocate.py)."""
         if not self.engine.colocate:
             return
-        if self.rollout.async_rollout:
+        if self.rollout.schedule.overlap:
             raise ValueError(
                 "--colocate with --async-rollout: the next rollout would generate while the "
                 "trainer holds the GPUs; drop one of them"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from megatron_rl.flags import bad_value, check_choice, check_positive_ints, option
 from megatron_rl.train.advantages import ADVANTAGE_ESTIMATORS
+from megatron_rl.train.rollout_schedule import SCHEDULES, RolloutSchedule
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,9 +48,18 @@ class RolloutConfig:
         help="with --dynamic-sampling: also drop a group with a response cut at "
         "--max-response-length",
     )
+    rollout_schedule: str | None = option(
+        None,
+        choices=SCHEDULES,
+        help="when a step's batch is generated: sync (at the step), async (ahead, while the "
+        "trainer trains), partial (async, requests in flight at a sync pause and go on), "
+        "carry-over (--carry-over-groups M unfinished groups go on at the next rollout), or "
+        "async/partial+carry-over (default: what the alias flags below say, else sync; see "
+        "megatron_rl/train/rollout_schedule.py)",
+    )
     async_rollout: bool = option(
         False,
-        help="one-step-off-policy: generate rollout k+1 in the background while step k trains "
+        help="alias of --rollout-schedule async; one-step-off-policy: generate rollout k+1 in the background while step k trains "
         "(samples are 1 weight version behind; see megatron_rl/train/async_rollout.py)",
     )
     max_staleness: int = option(
@@ -59,7 +69,7 @@ class RolloutConfig:
     )
     partial_rollout: bool = option(
         False,
-        help="with --async-rollout: samples may span weight updates: requests in flight at a "
+        help="with --async-rollout, alias of --rollout-schedule partial: samples may span weight updates: requests in flight at a "
         "weight sync are paused, not aborted, and finish under the new weights, each token "
         "recording its version (with SGLang this needs an engine pause mode, --sglang-pause-mode "
         "retract or in_place); requires --behavior-logprobs rollout or a --rollout-correction "
@@ -103,6 +113,7 @@ class RolloutConfig:
     )
 
     def __post_init__(self) -> None:
+        self._resolve_schedule()
         check_positive_ints(self, "rollout_batch_size", "n_samples_per_prompt")
         check_positive_ints(self, "max_response_length")
         check_choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
@@ -197,6 +208,45 @@ class RolloutConfig:
                 "rollouts are never stale; add --async-rollout or drop --max-staleness"
             )
         self._check_rollout_dumps()
+
+    def _resolve_schedule(self) -> None:
+        """``--rollout-schedule`` given: the alias flags must agree with it and take its values,
+        and the field goes back to None, so both spellings build equal configs and every later
+        check reads one truth (`schedule`); not given: the aliases decide."""
+        if self.rollout_schedule is None:
+            return
+        check_choice(self, "rollout_schedule", SCHEDULES)
+        chosen = RolloutSchedule.parse(self.rollout_schedule)
+        aliases = {"async_rollout": chosen.overlap, "partial_rollout": chosen.partial}
+        for name, value in aliases.items():
+            if getattr(self, name) and not value:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"--rollout-schedule {self.rollout_schedule} with {flag}: the alias asks "
+                    f"for another schedule; drop {flag} ({type(self).__name__}.{name})"
+                )
+            object.__setattr__(self, name, value)
+        if chosen.carry_over and not self.carry_over_groups:
+            raise ValueError(
+                f"--rollout-schedule {self.rollout_schedule} needs --carry-over-groups M > 0 "
+                "(the groups kept in flight beyond --rollout-batch-size); add it"
+            )
+        if self.carry_over_groups and not chosen.carry_over:
+            raise ValueError(
+                f"--carry-over-groups {self.carry_over_groups} with --rollout-schedule "
+                f"{self.rollout_schedule}: carried groups need a carry-over schedule; use "
+                f"--rollout-schedule {RolloutSchedule(chosen.overlap, chosen.partial, True).name}"
+            )
+        object.__setattr__(self, "rollout_schedule", None)
+
+    @property
+    def schedule(self) -> RolloutSchedule:
+        """The resolved ``--rollout-schedule`` (held by its alias fields)."""
+        return RolloutSchedule(
+            overlap=self.async_rollout,
+            partial=self.partial_rollout,
+            carry_over=self.carry_over_groups > 0,
+        )
 
     def _check_rollout_dumps(self) -> None:
         """--save-rollouts / --load-rollouts / --rollout-only against the schedule flags."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_rl.collectives import all_gather_objects, broadcast_object
+from megatron_rl.moe_layers import num_routed_experts
 from megatron_rl.routing import RoutingCodec
 from megatron_rl.train.async_rollout import AsyncRollouts, generator_barrier
 from megatron_rl.train.carry_over import CarryOver
@@ -73,7 +74,7 @@ class RolloutManager:
         self.source = self._source()
         self.dynamic_sampling = self._dynamic_sampling()
         objective = config.objective
-        if config.rollout.async_rollout and (
+        if config.rollout.schedule.overlap and (
             objective.behavior_logprobs == "trainer" and objective.rollout_correction == "none"
         ):
             logger.warning(
@@ -97,7 +98,7 @@ class RolloutManager:
         if self.dump is not None:  # --save-rollouts (train/rollout_dump.py)
             self.dump.store(index, batch, self.reward_error)
         self.trained_prompts = batch.prompts
-        if self.config.rollout.carry_over_groups:  # the finished groups, not the drawn ones
+        if self.config.rollout.schedule.carry_over:  # the finished groups, not the drawn ones
             n = self.config.rollout.n_samples_per_prompt
             self.trained_prompts = [s.prompt_index for s in batch.samples[::n]]
         return batch
@@ -127,7 +128,7 @@ class RolloutManager:
         """Sampler position of the last trained batch, and (a collective with
         ``--carry-over-groups``) every data-parallel rank's carried groups."""
         state = {"sampler": self.source.trained_sampler_state()}
-        if self.config.rollout.carry_over_groups:
+        if self.config.rollout.schedule.carry_over:
             mine = None
             if self.carry_over is not None:  # as of the last trained step
                 mine = (self.place.dp_rank, self.carry_over.state_after(step_index - 1))
@@ -138,7 +139,7 @@ class RolloutManager:
     def load_state_dict(self, state: dict, step_index: int) -> None:
         self.source.clear()  # a batch drawn ahead (--async-rollout) is drawn again
         self.sampler.load_state_dict(state["sampler"])
-        if not self.config.rollout.carry_over_groups:
+        if not self.config.rollout.schedule.carry_over:
             return
         dp = self.place.dp
         pools = state.get("carry_over") or [{"groups": []}] * dp
@@ -153,15 +154,16 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ parts
     def _source(self):
-        """Rollouts generated when a step asks, or ahead of it (``--async-rollout``)."""
+        """Rollouts generated when a step asks, or ahead of it (``--rollout-schedule async``)."""
         place, rollout = self.place, self.config.rollout
+        schedule = rollout.schedule
         hooks = RolloutHooks(
             sampler=self.sampler,
             draw=self._draw_prompts,
             generate=self._generate if place.is_generator else None,
             share=self._share,
         )
-        if not rollout.async_rollout:
+        if not schedule.overlap:
             return SyncRollouts(hooks)
         # shared servers: rank 0's pause at the sync reaches every rank's requests
         shared = self.config.engine.remote
@@ -169,8 +171,8 @@ class RolloutManager:
             hooks,
             max_staleness=rollout.max_staleness,
             last_index=self.config.schedule.train_iters,
-            partial=rollout.partial_rollout,
-            regenerate_stale=rollout.carry_over_groups == 0,
+            partial=schedule.partial,
+            regenerate_stale=not schedule.carry_over,
             barrier=generator_barrier(place.is_generator) if shared else None,
         )
 
@@ -201,7 +203,7 @@ class RolloutManager:
         """The generator's rollout pool of ``--carry-over-groups`` (None when off or not the
         generator rank); M and B must split evenly over data-parallel ranks."""
         rollout, dp = self.config.rollout, self.place.dp
-        if not rollout.carry_over_groups:
+        if not rollout.schedule.carry_over:
             return None
         if rollout.carry_over_groups % dp:
             raise ValueError(
@@ -214,7 +216,9 @@ class RolloutManager:
         codec = None
         if self.config.replay.mode == "r3":
             codec = RoutingCodec(
-                int(hf.num_experts), int(hf.num_experts_per_tok), self.config.engine.routing_dtype
+                num_routed_experts(hf),
+                int(hf.num_experts_per_tok),
+                self.config.engine.routing_dtype,
             )
         return CarryOver(
             self.engine,
@@ -237,7 +241,7 @@ class RolloutManager:
             count = rollout.rollout_batch_size
             if rollout.dynamic_sampling:
                 count = first_draw(count, rollout.over_sampling_ratio, dp)
-            if rollout.carry_over_groups and not self.carry_primed:
+            if rollout.schedule.carry_over and not self.carry_primed:
                 count += rollout.carry_over_groups
                 self.carry_primed = True
         indices = self.sampler.next_batch(count)

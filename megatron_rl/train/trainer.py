@@ -42,7 +42,7 @@ from megatron_rl.collectives import (
 )
 from megatron_rl.losses import rollout_correction
 from megatron_rl.losses.clip_positions import clip_profile_from_counts
-from megatron_rl.moe_layers import moe_layer_numbers
+from megatron_rl.moe_layers import moe_layer_numbers, num_routed_experts
 from megatron_rl.rollout.protocol import RolloutEngine
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
@@ -86,7 +86,7 @@ class Trainer:
         world = world_size if world_size is not None else _env_world_size()
         self.dp = config.data_parallel_size(world)  # validates before anything is built
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)  # ranks sharing this machine
-        if config.rollout.async_rollout:  # each rank's generation thread shares the cores too
+        if config.rollout.schedule.overlap:  # each rank's generation thread shares the cores too
             local *= 2
         self.num_threads = configure_threads(config.runtime.torch_threads, local_processes=local)
         self.device = init_distributed(
@@ -122,7 +122,7 @@ class Trainer:
         self.replay = build_replay_passes(
             self.model,
             config.replay,
-            num_experts=self.hf_config.num_experts,
+            num_experts=num_routed_experts(self.hf_config),
             topk=self.hf_config.num_experts_per_tok,
             moe_layer_numbers=moe_layer_numbers(self.hf_config),
             layout=TokenLayout(
