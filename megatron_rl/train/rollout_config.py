@@ -60,7 +60,8 @@ class RolloutConfig:
     async_rollout: bool = option(
         False,
         help="alias of --rollout-schedule async; one-step-off-policy: generate rollout k+1 in "
-        "the background while step k trains (samples are 1 weight version behind; see megatron_rl/train/async_rollout.py)",
+        "the background while step k trains (samples are 1 weight version behind; see "
+        "megatron_rl/train/async_rollout.py)",
     )
     max_staleness: int = option(
         1,
@@ -70,7 +71,8 @@ class RolloutConfig:
     partial_rollout: bool = option(
         False,
         help="with --async-rollout, alias of --rollout-schedule partial: samples may span weight "
-        "updates: requests in flight at a weight sync are paused, not aborted, and finish under the new weights, each token "
+        "updates: requests in flight at a weight sync are paused, not aborted, and finish under "
+        "the new weights, each token "
         "recording its version (with SGLang this needs an engine pause mode, --sglang-pause-mode "
         "retract or in_place); requires --behavior-logprobs rollout or a --rollout-correction "
         "(the engine's per-token log-probs are the behaviour policy)",
