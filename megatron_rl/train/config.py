@@ -26,10 +26,10 @@ from megatron_rl.flags import add_section, derived_fields, flat_names, section_v
 from megatron_rl.losses import available_losses, get_loss_spec
 from megatron_rl.model.options import ModelOptions
 from megatron_rl.parallel import ParallelConfig
+from megatron_rl.rollout.engine_config import EngineConfig
 from megatron_rl.routing.modes import ReplayConfig
 from megatron_rl.runtime import RuntimeConfig
 from megatron_rl.train.checkpoint.config import CheckpointConfig
-from megatron_rl.train.engine_config import EngineConfig
 from megatron_rl.train.eval_config import EvalConfig
 from megatron_rl.train.objective import ObjectiveConfig
 from megatron_rl.train.rollout_config import RolloutConfig

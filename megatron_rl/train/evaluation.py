@@ -134,15 +134,15 @@ class Evaluator:
     @classmethod
     def for_trainer(cls, trainer, task) -> Evaluator:
         """The evaluator of a `Trainer` and the task holding its held-out sets."""
-        generates = trainer.engine is not None and trainer.is_generator
+        generates = trainer.engine is not None and trainer.ranks.is_generator
         return cls(
             trainer.config.eval,
             task.eval_sets,
             task.eval_reward_fn,
             trainer.tokenizer,
             engine=trainer.engine if generates else None,
-            dp=trainer.dp,
-            dp_rank=trainer.dp_rank,
+            dp=trainer.ranks.dp,
+            dp_rank=trainer.ranks.dp_rank,
         )
 
     @property

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-
-import torch.distributed as dist
 
 from megatron_rl.collectives import all_gather_objects, broadcast_object
 from megatron_rl.moe_layers import num_routed_experts
@@ -34,6 +31,7 @@ from megatron_rl.train.async_rollout import AsyncRollouts, generator_barrier
 from megatron_rl.train.carry_over import CarryOver
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
+from megatron_rl.train.rank_topology import RankTopology
 from megatron_rl.train.rollout_dump import build_rollout_dump
 from megatron_rl.train.rollout_phase import rollout_params, run_rollout, score_rollout
 from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks, SyncRollouts
@@ -41,22 +39,10 @@ from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks, SyncRol
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RankPlace:
-    """Where this rank sits for rollouts: its data-parallel share and its generator group."""
-
-    dp: int
-    dp_rank: int
-    dp_group: object
-    is_generator: bool  # the rank that generates for its model-parallel group
-    mp_src: int
-    mp_group: object
-
-
 class RolloutManager:
     """Hands the trainer finished batches (module docstring); one per rank."""
 
-    def __init__(self, config: TrainConfig, task, engine, place: RankPlace) -> None:
+    def __init__(self, config: TrainConfig, task, engine, place: RankTopology) -> None:
         self.config = config
         self.place = place
         self.engine = engine
@@ -279,15 +265,3 @@ class RolloutManager:
         if result.reward_error is not None:
             self.reward_error = result.reward_error
         return result.samples, result.metrics
-
-
-def rank_place(dp: int, dp_rank: int, dp_group, mp_src: int, mp_group) -> RankPlace:
-    """This rank's `RankPlace` (the generator is the model-parallel group's source rank)."""
-    return RankPlace(
-        dp=dp,
-        dp_rank=dp_rank,
-        dp_group=dp_group,
-        is_generator=dist.get_rank() == mp_src,
-        mp_src=mp_src,
-        mp_group=mp_group,
-    )

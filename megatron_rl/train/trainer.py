@@ -9,13 +9,8 @@ the global token/sequence counts of each optimizer step, so summing the replicas
 (megatron's DDP averages, hence the ``* dp`` below) reproduces the full-batch gradient. Every
 tensor the model, the loss or a collective sees is on ``self.device``.
 
-Token balancing (`megatron_rl/train/balance.py`): with ``--balance-data`` the samples of every
-mini-batch are gathered over the data-parallel ranks and re-split by token count (Karmarkar-Karp,
-equal sample counts), so mini-batch ``j`` is the same global set and the step the same gradient;
-with ``--max-tokens-per-gpu`` a rank's micro-batches are formed by a padded-token budget, so ranks
-may run different numbers of micro-batches (the gradient reduction still happens once, after
-each rank's last one). Micro-batches are padded; THD packing (cu_seqlens) needs Transformer
-Engine's attention and is not implemented.
+Batching, token balancing and padding: `megatron_rl/train/minibatches.py`; the old-logprob pass:
+`megatron_rl/train/old_logprob.py`; this rank's process groups: `RankTopology`.
 """
 
 from __future__ import annotations
@@ -40,30 +35,29 @@ from megatron_rl.collectives import (
     mean_over_ranks,
     sum_over_ranks,
 )
-from megatron_rl.losses import rollout_correction
 from megatron_rl.losses.clip_positions import clip_profile_from_counts
 from megatron_rl.moe_layers import moe_layer_numbers, num_routed_experts
+from megatron_rl.rollout.build import ready_engine
 from megatron_rl.rollout.protocol import RolloutEngine
 from megatron_rl.routing.passes import TokenLayout, build_replay_passes
 from megatron_rl.threads import configure_threads
-from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
-from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
+from megatron_rl.train.batch import MicroBatch, TrainSample
 from megatron_rl.train.colocate import Colocation, release_generation_memory
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.train.engines import build_engine
 from megatron_rl.train.learning_guard import LearningGuard
-from megatron_rl.train.logprobs import token_entropy, token_logprobs
-from megatron_rl.train.merged_pass import forward_only_pass, forward_token_budget
+from megatron_rl.train.logprobs import token_logprobs
+from megatron_rl.train.minibatches import plan_minibatches
 from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
 from megatron_rl.train.offload import TrainerOffload
+from megatron_rl.train.old_logprob import old_logprob_pass
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.policy import build_policy, build_reference
+from megatron_rl.train.rank_topology import RankTopology
 from megatron_rl.train.rollout_dump import rollout_only_step
-from megatron_rl.train.rollout_manager import RolloutManager, rank_place
+from megatron_rl.train.rollout_manager import RolloutManager
 from megatron_rl.train.sync_wait import SyncWait, remote_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
-from megatron_rl.train.token_versions import fresh_token_mask, token_staleness_metrics
 from megatron_rl.train.weight_publisher import PolicyShard, build_weight_publisher
 
 logger = logging.getLogger(__name__)
@@ -82,78 +76,48 @@ class Trainer:
         """``task``: the built task (`build_task`, e.g. by ``python -m megatron_rl.train``, which
         checks it before megatron starts); built here from ``config`` when None."""
         self.config = config
-        parallel = config.parallel
         world = world_size if world_size is not None else _env_world_size()
-        self.dp = config.data_parallel_size(world)  # validates before anything is built
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)  # ranks sharing this machine
-        if config.rollout.schedule.overlap:  # each rank's generation thread shares the cores too
-            local *= 2
-        self.num_threads = configure_threads(config.runtime.torch_threads, local_processes=local)
+        dp = config.data_parallel_size(world)  # validates before anything is built
+        self.num_threads = _configure_threads(config, world)
+        device = config.runtime.device
         self.device = init_distributed(
-            parallel,
-            rank=rank,
-            world_size=world,
-            init_method=init_method,
-            device=config.runtime.device,
+            config.parallel, rank=rank, world_size=world, init_method=init_method, device=device
         )
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.mp_group = parallel_state.get_model_parallel_group()
-        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.last_stage = parallel_state.is_pipeline_last_stage()
-        self.mp_src = parallel_state.get_model_parallel_src_rank()
-        self.is_generator = dist.get_rank() == self.mp_src
-        self.seq_multiple = parallel.tensor_parallel if parallel.sequence_parallel else 1
+        self.ranks = RankTopology.current(dp, config.parallel)
         task = task if task is not None else build_task(config.task)
         self.tokenizer, self.hf_config = task.tokenizer, task.hf_config
-        # remote servers first (an SGLang client touches no RNG): colocated, they release
-        # their generation memory before the model is built; the in-process engine is built
-        # after the model, whose initialisation it must not move
-        engine_config = config.engine
-        self.engine: RolloutEngine | None = self._build_engine() if engine_config.remote else None
-        # remote servers receive the whole model from rank 0; an in-process engine, its own
-        self.pushes_weights = engine_config.remote and dist.get_rank() == 0
-        if engine_config.colocate:  # the servers leave the GPUs to the model about to be built
+        # remote servers first (an SGLang client touches no RNG): colocated, they release their
+        # generation memory before the model is built; the in-process engine is built after the
+        # model, whose initialisation it must not move. Remote servers receive the whole model
+        # from rank 0; an in-process engine, its own generator rank's.
+        remote = config.engine.remote
+        self.engine: RolloutEngine | None = self._build_engine() if remote else None
+        self.pushes_weights = remote and dist.get_rank() == 0
+        if config.engine.colocate:  # the servers leave the GPUs to the model about to be built
             release_generation_memory(self.engine if self.pushes_weights else None)
         self.model, self.optimizer = build_policy(config, self.hf_config, task.checkpoint_dir)
         self.objective = config.objective
         self.reference = build_reference(config, self.hf_config, self.model.module, self.device)
-        self.replay = build_replay_passes(
-            self.model,
-            config.replay,
-            num_experts=num_routed_experts(self.hf_config),
-            topk=self.hf_config.num_experts_per_tok,
-            moe_layer_numbers=moe_layer_numbers(self.hf_config),
-            layout=TokenLayout(
-                tp_size=parallel.tensor_parallel,
-                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                sequence_parallel=bool(parallel.sequence_parallel),
-            ),
-            pipeline_group=self.pp_group if self.pp > 1 else None,
-        )
+        self.replay = self._build_replay()
         self.nonfinite = NonFiniteGuard(config.schedule.max_bad_steps)
         self.learning = LearningGuard.from_config(config)
-        if self.is_generator and not engine_config.remote:
-            self.engine = self._build_engine()
-            self.pushes_weights = True
+        if self.ranks.is_generator and not remote:
+            self.engine, self.pushes_weights = self._build_engine(), True
         sync_timeout_s = remote_sync_timeout_s(config, self.hf_config)  # None: in-process
         # this rank's part in every weight sync, chosen once (train/weight_publisher.py)
         self.publisher = build_weight_publisher(
-            engine_config,
+            config.engine,
             PolicyShard(self.model.module, self.hf_config),
             self.engine,
             owns_engine=self.pushes_weights,
-            pipeline_group=self.pp_group if self.pp > 1 else None,
+            pipeline_group=self.ranks.pipeline_group,
             timeout_s=sync_timeout_s,
         )
-        self.step_index = 0
-        self.weight_version = 0
+        self.step_index = self.weight_version = 0
         # prompts, generation schedule, refill, carry-over (train/rollout_manager.py)
-        place = rank_place(self.dp, self.dp_rank, self.dp_group, self.mp_src, self.mp_group)
-        self.rollouts = RolloutManager(config, task, self.engine, place)
+        self.rollouts = RolloutManager(config, task, self.engine, self.ranks)
         # remote: the other ranks wait for rank 0's push (see train/sync_wait.py)
-        self.sync_wait = SyncWait(sync_timeout_s) if engine_config.remote else None
+        self.sync_wait = SyncWait(sync_timeout_s) if remote else None
         self.colocation = self._colocation()  # --colocate: who holds the GPUs, when
         self.sync_weights(version=0)
 
@@ -220,16 +184,28 @@ class Trainer:
         return batch.samples, batch.metrics
 
     def _build_engine(self) -> RolloutEngine:
-        """The configured engine, once its servers answer (`train.engines.build_engine`)."""
+        """The configured engine, once its servers answer (`megatron_rl.rollout.build`)."""
         config = self.config
-        engine = build_engine(
-            config.engine, self.hf_config, self.tokenizer.pad_token_id, config.parallel.seed
+        pad_id, seed = self.tokenizer.pad_token_id, config.parallel.seed
+        return ready_engine(config.engine, self.hf_config, pad_id, seed)
+
+    def _build_replay(self):
+        """Routing replay's passes (`megatron_rl.routing.passes`): what each pass records or
+        replays, from ``--routing-replay`` and this rank's token layout."""
+        parallel, hf = self.config.parallel, self.hf_config
+        return build_replay_passes(
+            self.model,
+            self.config.replay,
+            num_experts=num_routed_experts(hf),
+            topk=hf.num_experts_per_tok,
+            moe_layer_numbers=moe_layer_numbers(hf),
+            layout=TokenLayout(
+                tp_size=parallel.tensor_parallel,
+                tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                sequence_parallel=bool(parallel.sequence_parallel),
+            ),
+            pipeline_group=self.ranks.pipeline_group,
         )
-        # SGLang listens only once its model is loaded: wait before the first sync
-        waited = engine.wait_until_ready()
-        if waited > 1.0:
-            logger.info("rollout servers ready after %.0f s", waited)
-        return engine
 
     def _colocation(self) -> Colocation | None:
         """``--colocate`` (`megatron_rl.train.colocate`): the trainer's offload on every rank;
@@ -249,16 +225,25 @@ class Trainer:
         returns this rank's metrics (not yet averaged over ranks). ``should_stop``: see `step`.
         """
         metrics: dict[str, float] = {}
-        minibatches = split(samples, self.config.schedule.global_batch_size // self.dp)
-        if self.config.schedule.balance_data and self.dp > 1:
-            minibatches = self._balance(minibatches, metrics)
-        batches = [self._micro_batches(minibatch) for minibatch in minibatches]
-        real = sum(sum(mb.lengths) for row in batches for mb in row)
-        padded = sum(mb.tokens_BS.numel() for row in batches for mb in row)
-        metrics["batch/padding_waste"] = padded / real - 1.0 if real else 0.0  # pad per real token
-        metrics["batch/micro_batches"] = float(sum(len(row) for row in batches))
+        batches = plan_minibatches(
+            samples,
+            self.config.schedule,
+            self.ranks,
+            self.tokenizer.pad_token_id,
+            self.device,
+            metrics,
+        )
         t = time.perf_counter()
-        behaviour = self._old_logprob_pass(batches, metrics)
+        behaviour = old_logprob_pass(
+            batches,
+            metrics,
+            model=self.model,
+            reference=self.reference,
+            replay=self.replay,
+            config=self.config,
+            weight_version=self.weight_version,
+            ranks=self.ranks,
+        )
         metrics["time/old_logprob"] = time.perf_counter() - t
         t = time.perf_counter()
         for j, minibatch in enumerate(batches):
@@ -270,154 +255,24 @@ class Trainer:
                 continue
             self._update(j, minibatch, behaviour[j], metrics)
         metrics["time/update"] = time.perf_counter() - t
-        if self.pp > 1:  # the losses, log-probs and entropies were computed on the last stage
+        if self.ranks.pp > 1:  # the losses, log-probs and entropies came from the last stage
             last = parallel_state.get_pipeline_model_parallel_last_rank()
-            metrics = broadcast_object(metrics, src=last, group=self.pp_group)
+            metrics = broadcast_object(metrics, src=last, group=self.ranks.pp_group)
         return metrics
-
-    def _balance(self, minibatches: list[list[TrainSample]], metrics) -> list[list[TrainSample]]:
-        """This rank's token-balanced share of every mini-batch (``--balance-data``).
-
-        Mini-batch ``j`` is the union of every rank's chunk ``j``; it is gathered (samples with
-        their routing blobs: every rank holds the whole rollout for a moment) and split by
-        token count into ``dp`` parts of equal sample counts, the same on every rank (the
-        partition is deterministic); rank ``r`` keeps part ``r``, longest samples first.
-        """
-        gathered = all_gather_objects(minibatches, group=self.dp_group)
-        if len({len(theirs) for theirs in gathered}) != 1:
-            raise RuntimeError(
-                f"data-parallel ranks hold different numbers of mini-batches "
-                f"{[len(theirs) for theirs in gathered]}; they must pass equal sample counts"
-            )
-        mine, before, after = [], [], []
-        for j in range(len(minibatches)):
-            chunks = [theirs[j] for theirs in gathered]
-            pool = [sample for chunk in chunks for sample in chunk]
-            parts = karmarkar_karp([s.length for s in pool], self.dp, equal_size=True)
-            share = sorted(parts[self.dp_rank], key=lambda i: (-pool[i].length, i))
-            mine.append([pool[i] for i in share])
-            before.append(_imbalance([sum(s.length for s in chunk) for chunk in chunks]))
-            after.append(_imbalance([sum(pool[i].length for i in part) for part in parts]))
-        metrics["batch/dp_token_imbalance_unbalanced"] = sum(before) / len(before)
-        metrics["batch/dp_token_imbalance"] = sum(after) / len(after)
-        return mine
-
-    def _micro_batches(self, samples: list[TrainSample]) -> list[MicroBatch]:
-        """One mini-batch share as padded micro-batches on ``self.device``: ``micro_batch_size``
-        rows each, or by token budget (``--max-tokens-per-gpu``; longest samples first)."""
-        budget = self.config.schedule.token_budget
-        if budget:
-            groups = token_budget_micro_batches(
-                [s.length for s in samples], budget, self.seq_multiple
-            )
-            chunks = [[samples[i] for i in group] for group in groups]
-        else:
-            chunks = split(samples, self.config.schedule.micro_batch_size)
-        return [
-            make_micro_batch(chunk, self.tokenizer.pad_token_id, self.seq_multiple).to(self.device)
-            for chunk in chunks
-        ]
-
-    def _old_logprob_pass(self, batches, metrics) -> list[list[dict | None]]:
-        """Per micro-batch: trainer log-probs, behaviour log-probs, weights/masks, ref log-probs.
-
-        R2 records each micro-batch's routing here; R3 replays the engine's routes. With pipeline
-        parallelism the entries exist on the last stage (elsewhere they are None); the
-        reference's log-probs come from their own pass through the schedule.
-        """
-        flat = [mb for minibatch in batches for mb in minibatch]
-        keys = [(j, i) for j, minibatch in enumerate(batches) for i in range(len(minibatch))]
-        entries: list[dict | None] = [None] * len(flat)
-        # per-token staleness (megatron_rl/train/token_versions.py): every stage holds the token
-        # versions, so every stage checks them and reports the same keys, before any collective
-        rollout = self.config.rollout
-        metrics.update(
-            token_staleness_metrics(
-                [mb.token_versions_BT for mb in flat],
-                [mb.loss_mask_BT for mb in flat],
-                self.weight_version,
-                rollout.max_staleness,
-                mask_stale=rollout.mask_stale_tokens,
-            )
-        )
-        # forward-only: the micro-batches run merged, up to this many padded tokens a forward
-        merged = dict(
-            max_tokens=forward_token_budget(self.config.schedule.token_budget),
-            group=self.dp_group if self.dp > 1 else None,
-        )
-        gaps: list = [None] * len(flat)  # by index: merged forwards call on_logits out of order
-        entropies: list = [None] * len(flat)
-        refs: list = [None] * len(flat)
-        if self.reference is not None:
-            with self.reference.resident():
-                refs = self.reference.logprobs(flat, self.config.rollout.temperature, **merged)
-
-        def on_logits(k: int, logits: torch.Tensor) -> None:
-            mb = flat[k]
-            entry = self._behaviour_entry(mb, logits, refs[k])
-            gaps[k] = (entry["old"] - mb.rollout_logprobs_BT)[mb.loss_mask_BT]
-            entropies[k] = token_entropy(logits, self.config.rollout.temperature)[mb.loss_mask_BT]
-            entries[k] = entry
-
-        self.model.eval()
-        with torch.no_grad():
-            forward_only_pass(self.model, flat, keys, self.replay, on_logits, **merged)
-        self.model.train()
-        if self.last_stage:
-            gap = torch.cat(gaps).clamp(-20, 20)  # log(pi_train / mu_rollout) per response token
-            metrics["mismatch/train_rollout_logprob_abs_gap"] = float(gap.abs().mean())
-            metrics["mismatch/train_rollout_k3"] = float((torch.expm1(-gap) + gap).mean())
-            metrics["entropy"] = float(torch.cat(entropies).mean())
-        out, k = [], 0
-        for minibatch in batches:
-            out.append(entries[k : k + len(minibatch)])
-            k += len(minibatch)
-        return out
-
-    def _behaviour_entry(self, mb: MicroBatch, logits, ref_logprobs) -> dict:
-        """What the updates of one micro-batch need from the old-logprob pass.
-
-        ``--mask-stale-tokens``: tokens more than ``--max-staleness`` versions behind the
-        trainer's version at this pass (``self.weight_version``, which the rollout's N updates
-        share) leave the loss mask before the rollout correction sees it.
-        """
-        config = self.config
-        old = token_logprobs(logits, mb.tokens_BS, config.rollout.temperature)
-        behaviour = (
-            old if config.objective.behavior_logprobs == "trainer" else mb.rollout_logprobs_BT
-        )
-        mask = mb.loss_mask_BT
-        if config.rollout.mask_stale_tokens:
-            fresh = fresh_token_mask(
-                mb.token_versions_BT, self.weight_version, config.rollout.max_staleness
-            )
-            mask = mask & fresh
-        entry = {"old": old, "behaviour": behaviour, "mask": mask, "weights": None}
-        if config.objective.rollout_correction != "none":
-            correction = rollout_correction(
-                config.objective.rollout_correction,
-                old_logprobs=old,
-                rollout_logprobs=mb.rollout_logprobs_BT,
-                loss_mask=mask,
-            )
-            entry.update(weights=correction.weights, mask=correction.loss_mask)
-        if ref_logprobs is not None:
-            entry["ref"] = ref_logprobs
-        return entry
 
     def _update(self, j: int, minibatch: list[MicroBatch], behaviour: list, metrics) -> None:
         """One optimizer step over the micro-batches of mini-batch ``j``."""
         # this mini-batch's response tokens and sequences, summed over data-parallel ranks (the
         # masks live on the last pipeline stage; the other stages learn the totals from it)
         local = [0.0, 0.0]
-        if self.last_stage:
+        if self.ranks.last_stage:
             local = [
                 sum(float(e["mask"].sum()) for e in behaviour),
                 sum(float(e["mask"].any(dim=-1).sum()) for e in behaviour),
             ]
-        num_tokens, num_seqs = sum_over_ranks(local, group=self.dp_group)
-        if self.pp > 1:
-            num_tokens, num_seqs = max_over_ranks([num_tokens, num_seqs], group=self.pp_group)
+        num_tokens, num_seqs = sum_over_ranks(local, group=self.ranks.dp_group)
+        if self.ranks.pp > 1:
+            num_tokens, num_seqs = max_over_ranks([num_tokens, num_seqs], group=self.ranks.pp_group)
         if num_tokens == 0:
             _count(metrics, "update/skipped_empty")
             return
@@ -443,7 +298,7 @@ class Trainer:
                 ref_logprobs_BT=entry.get("ref"),
             )
             loss_metrics.append(out.metrics)
-            return out.loss * self.dp
+            return out.loss * self.ranks.dp
 
         keys = [(j, i) for i in range(len(minibatch))]
         run_pass(self.model, minibatch, keys, self.replay, on_logits, phase="update")
@@ -510,14 +365,17 @@ def _env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def _configure_threads(config: TrainConfig, world: int) -> int:
+    """Torch threads of this rank: the cores shared by the ranks on this machine and, with an
+    overlapping rollout schedule, their generation threads (`megatron_rl.threads`)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world)  # ranks sharing this machine
+    if config.rollout.schedule.overlap:  # each rank's generation thread shares the cores too
+        local *= 2
+    return configure_threads(config.runtime.torch_threads, local_processes=local)
+
+
 def _count(metrics: dict, key: str) -> None:
     metrics[key] = metrics.get(key, 0.0) + 1
-
-
-def _imbalance(tokens: list[int]) -> float:
-    """Largest share over the mean share (1.0: perfectly balanced)."""
-    mean = sum(tokens) / len(tokens)
-    return max(tokens) / mean if mean else 1.0
 
 
 def _accumulate(metrics: dict, loss_metrics: list[dict], weight: float) -> None:

@@ -318,9 +318,9 @@ def test_the_pause_modes_and_defaults_are_sglangs():
     by default, which is why a retract / in_place sync sends ``abort_all_requests: false``."""
     import ast
 
+    from megatron_rl.rollout.engine_config import SGLANG_PAUSE_MODES
     from megatron_rl.rollout.inprocess import PAUSE_MODES
     from megatron_rl.rollout.weight_sync.common import PAUSE_MODES as SYNC_MODES
-    from megatron_rl.train.engine_config import SGLANG_PAUSE_MODES
 
     def field(cls: str, name: str) -> ast.AnnAssign:
         (node,) = [
@@ -339,7 +339,7 @@ def test_the_pause_modes_and_defaults_are_sglangs():
 
 
 def test_bad_pause_modes_name_the_field():
-    from megatron_rl.train.engine_config import EngineConfig
+    from megatron_rl.rollout.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="pause mode 'wait'"):
         make_engine().pause("wait")

@@ -294,8 +294,8 @@ def test_a_read_timeout_does_not_mark_the_server_down_and_aborts_the_request(ser
 
 
 def test_sglang_request_timeout_flag_reaches_the_pool():
+    from megatron_rl.rollout.build import build_engine
     from megatron_rl.train.config import parse_args
-    from megatron_rl.train.engines import build_engine
 
     argv = ["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:1"]
     assert parse_args(argv).engine.sglang_request_timeout is None

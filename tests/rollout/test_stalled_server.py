@@ -27,12 +27,12 @@ from rollout_testing import (
 )
 
 from megatron_rl.rollout import SamplingParams
+from megatron_rl.rollout.build import build_engine
+from megatron_rl.rollout.engine_config import EngineConfig
 from megatron_rl.rollout.http_pool import HttpPoolConfig
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 from megatron_rl.rollout.weight_sync import ReprobeConfig, WeightSyncConfig
 from megatron_rl.rollout.weight_sync.reprobe import Reprober
-from megatron_rl.train.engine_config import EngineConfig
-from megatron_rl.train.engines import build_engine
 
 PARAMS = SamplingParams(max_new_tokens=2, seed=3)
 KEYS = {

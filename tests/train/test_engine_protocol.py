@@ -8,10 +8,10 @@ import inspect
 import pytest
 from trainer_testing import rendezvous, small_config
 
-import megatron_rl.train.trainer as trainer_module
+import megatron_rl.rollout.build as build_module
 from megatron_rl.rollout import InProcessEngine, RolloutEngine
+from megatron_rl.rollout.build import EngineConfig
 from megatron_rl.rollout.sglang_client import SGLangEngine
-from megatron_rl.train.engines import EngineConfig
 from megatron_rl.train.task import TaskConfig, build_task
 from megatron_rl.train.trainer import Trainer
 
@@ -78,9 +78,9 @@ class _Recording:
 def _train_recording(config, dist_kwargs: dict, monkeypatch) -> set[str]:
     """Two steps of a trainer whose engine records what is read of it; the names read."""
     used: set[str] = set()
-    real = trainer_module.build_engine
+    real = build_module.build_engine  # the trainer builds through `rollout.build.ready_engine`
     monkeypatch.setattr(
-        trainer_module, "build_engine", lambda *a, **k: _Recording(real(*a, **k), used)
+        build_module, "build_engine", lambda *a, **k: _Recording(real(*a, **k), used)
     )
     trainer = Trainer(config, **dist_kwargs)
     try:
@@ -88,7 +88,7 @@ def _train_recording(config, dist_kwargs: dict, monkeypatch) -> set[str]:
         trainer.step()
     finally:
         trainer.close()
-        monkeypatch.setattr(trainer_module, "build_engine", real)
+        monkeypatch.setattr(build_module, "build_engine", real)
     return used
 
 

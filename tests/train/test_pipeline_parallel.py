@@ -54,7 +54,9 @@ def _train_worker(rank, world_size, init_method, tmp_dir, shared_dir, layout) ->
     trainer = Trainer(config, rank=rank, world_size=world_size, init_method=init_method)
     try:
         samples = torch.load(shared / "samples.pt", weights_only=False)
-        share = rank_share(samples, trainer.dp_rank, trainer.dp, config.schedule.global_batch_size)
+        share = rank_share(
+            samples, trainer.ranks.dp_rank, trainer.ranks.dp, config.schedule.global_batch_size
+        )
         metrics = trainer.train_on(share)
         weights = {
             name: tensor.clone()

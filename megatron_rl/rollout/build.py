@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
-from megatron_rl.train.engine_config import ENGINES, WEIGHT_SYNC_TRANSPORTS, EngineConfig
+from megatron_rl.rollout.engine_config import ENGINES, WEIGHT_SYNC_TRANSPORTS, EngineConfig
 
-__all__ = ["ENGINES", "WEIGHT_SYNC_TRANSPORTS", "EngineConfig", "build_engine"]
+__all__ = ["ENGINES", "WEIGHT_SYNC_TRANSPORTS", "EngineConfig", "build_engine", "ready_engine"]
+
+logger = logging.getLogger(__name__)
+
+
+def ready_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
+    """`build_engine`, returned once its servers answer (SGLang listens only once its model is
+    loaded: the first weight sync must wait for that)."""
+    engine = build_engine(config, hf_config, pad_token_id, seed)
+    waited = engine.wait_until_ready()
+    if waited > 1.0:
+        logger.info("rollout servers ready after %.0f s", waited)
+    return engine
 
 
 def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
