@@ -161,6 +161,14 @@ def hf_architecture(hf_config: HFConfig) -> str:
     return FAMILIES[model_family(hf_config)][1]
 
 
+def hf_causal_lm_class(hf_config: HFConfig) -> type:
+    """transformers' causal-LM class of ``hf_config``'s family (``Qwen3MoeForCausalLM`` or
+    ``DeepseekV3ForCausalLM``): what the in-process engine runs and the weight sync sizes."""
+    import transformers
+
+    return getattr(transformers, hf_architecture(hf_config))
+
+
 def load_hf_config(config: HFConfig | str | os.PathLike) -> HFConfig:
     """Accept a config object, a ``config.json`` path or a checkpoint folder holding one.
 

@@ -1,4 +1,5 @@
-"""The embedded rollout engine: transformers' Qwen3-MoE on CPU (or GPU), batched, KV-cached.
+"""The embedded rollout engine: transformers' Qwen3-MoE or DeepSeek-V3 on CPU (or GPU), batched,
+KV-cached.
 
 Rows (prompt, sample) are left-padded into batches of at most ``max_batch_size``; one prefill
 and then one KV-cached decoding step per new token. Rows that finished keep being fed (their
@@ -44,8 +45,10 @@ import threading
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 
 import torch
-from transformers import DynamicCache, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import DynamicCache, PreTrainedModel
 
+from megatron_rl.model.presets import HFConfig, hf_causal_lm_class, load_hf_config
+from megatron_rl.moe_layers import num_routed_experts
 from megatron_rl.rollout import fp8_weights, hf_weights
 from megatron_rl.rollout.padded_experts import PADDED_BMM, register_padded_experts
 from megatron_rl.rollout.protocol import check_generate_args
@@ -140,14 +143,15 @@ class InProcessEngineConfig:
 
 
 class InProcessEngine:
-    """`RolloutEngine` over a transformers ``Qwen3MoeForCausalLM`` held in this process.
+    """`RolloutEngine` over a transformers causal LM held in this process: ``Qwen3MoeForCausalLM``
+    or ``DeepseekV3ForCausalLM`` (`megatron_rl.model.presets.FAMILIES`).
 
     Thread-safe: one lock serialises generation and weight updates (the loopback HTTP server
     calls it from several threads); a call parked by `pause` (or waiting for `resume`) does not
     hold it.
     """
 
-    def __init__(self, model: Qwen3MoeForCausalLM, config: InProcessEngineConfig | None = None):
+    def __init__(self, model: PreTrainedModel, config: InProcessEngineConfig | None = None):
         self.config = config or InProcessEngineConfig()
         self.model = model.to(
             device=self.config.device, dtype=ENGINE_DTYPES[self.config.dtype]
@@ -167,7 +171,7 @@ class InProcessEngine:
                 self.model, self.config.router_noise, self.config.router_noise_seed
             )
         self.codec = RoutingCodec(
-            int(hf.num_experts), int(hf.num_experts_per_tok), self.config.routing_codec
+            num_routed_experts(hf), int(hf.num_experts_per_tok), self.config.routing_codec
         )
         self._version = self.config.initial_version
         self._lock = threading.RLock()
@@ -184,18 +188,20 @@ class InProcessEngine:
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: Qwen3MoeConfig, config: InProcessEngineConfig | None = None, seed: int = 0
+        cls, hf_config: HFConfig, config: InProcessEngineConfig | None = None, seed: int = 0
     ) -> InProcessEngine:
-        """A randomly initialised model (weights usually arrive by `update_weights` next), on
-        its own copy of ``hf_config`` (the engine sets the copy's experts implementation)."""
+        """A randomly initialised model of ``hf_config``'s family (weights usually arrive by
+        `update_weights` next), on its own copy of ``hf_config`` (the engine sets the copy's
+        experts implementation)."""
         torch.manual_seed(seed)
-        return cls(Qwen3MoeForCausalLM(copy.deepcopy(hf_config)), config)
+        return cls(hf_causal_lm_class(hf_config)(copy.deepcopy(hf_config)), config)
 
     @classmethod
     def from_pretrained(
         cls, path: str | os.PathLike, config: InProcessEngineConfig | None = None
     ) -> InProcessEngine:
-        model = Qwen3MoeForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32)
+        model_class = hf_causal_lm_class(load_hf_config(os.fspath(path)))
+        model = model_class.from_pretrained(os.fspath(path), dtype=torch.float32)
         return cls(model, config)
 
     # ------------------------------------------------------------------ protocol

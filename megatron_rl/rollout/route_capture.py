@@ -1,6 +1,8 @@
-"""Capture the top-k experts every MoE layer of a transformers Qwen3-MoE model chooses.
+"""Capture the top-k experts every MoE layer of a transformers Qwen3-MoE or DeepSeek-V3 model
+chooses.
 
-A forward hook on each layer's ``mlp.gate`` (``Qwen3MoeTopKRouter``, which returns
+A forward hook on each layer's ``mlp.gate`` (``Qwen3MoeTopKRouter``, or ``DeepseekV3TopkRouter``:
+sigmoid scores plus ``e_score_correction_bias``, group-limited top-k; both return
 ``(router_logits, router_scores, router_indices)`` with indices ``[tokens, K]``) records the
 indices of every forward call, prefill and KV-cached decoding steps alike, in the narrowest
 integer dtype that holds the expert count (never an int64 copy of the batch).
@@ -31,7 +33,7 @@ class RouteCapture:
     """Context manager: ``steps`` gets one ``[B, T, L, K]`` tensor per forward call.
 
     Args:
-        model: a transformers Qwen3-MoE causal LM.
+        model: a transformers Qwen3-MoE or DeepSeek-V3 causal LM (dense layers have no gate).
         batch_size: rows of every forward call made while capturing (B).
     """
 

@@ -12,9 +12,11 @@ to every token's logits before the top-k, scaled by that token's own logit sprea
     z'_e = z_e + sigma * std_e(z) * eps_e,      eps ~ N(0, 1) i.i.d. per token and expert,
 
 then recomputes the router's output as transformers' ``Qwen3MoeTopKRouter`` does (softmax in
-fp32, top-k, renormalised when ``norm_topk_prob``). Scaling by the spread keeps the fraction of
-flipped choices roughly constant as training sharpens the router, so ``sigma`` sets the
-mismatch. The returned logits are the clean ones (they only feed the auxiliary loss).
+fp32, top-k, renormalised when ``norm_topk_prob``); DeepSeek-V3's router (sigmoid scores,
+score-correction bias, group-limited top-k) is refused with a ValueError naming the flag.
+Scaling by the spread keeps the fraction of flipped choices roughly constant as training
+sharpens the router, so ``sigma`` sets the mismatch. The returned logits are the clean ones
+(they only feed the auxiliary loss).
 
 Each draw is a pure function of (``seed``, the sample's identity, the token's position, the
 layer, the expert): a counter-based hash (Wellons' ``lowbias32``, in int64 tensor arithmetic
@@ -81,6 +83,12 @@ class RouterNoise:
         self.gates = moe_gates(model)
         if not self.gates:
             raise ValueError("router noise: the model has no MoE layer (no mlp.gate)")
+        if hasattr(self.gates[0], "e_score_correction_bias"):
+            raise ValueError(
+                f"--rollout-router-noise={sigma!r} (InProcessEngineConfig.router_noise) supports "
+                f"the softmax top-k router only; {type(self.gates[0]).__name__} (sigmoid scores, "
+                "score-correction bias, group-limited top-k) is not implemented: use 0"
+            )
         self.generator = torch.Generator().manual_seed(self.seed)  # keys of unseeded samples
         self._table = gaussian_table()
         num_experts = int(self.gates[0].num_experts)

@@ -39,6 +39,7 @@ from megatron_rl.collectives import sum_over_ranks
 from megatron_rl.routing.alignment import TokenSources, gather_routes
 from megatron_rl.routing.codec import RoutingBlob, RoutingCodec
 from megatron_rl.routing.modes import REPLAY_MODES, ReplayConfig
+from megatron_rl.routing.own_routes import own_topk
 
 __all__ = ["PHASES", "REPLAY_MODES", "ReplayConfig", "RoutingReplay"]
 
@@ -238,7 +239,7 @@ class RoutingReplay:
         if target.shape[0] * target.shape[1] == 0:
             return
         logits = router.gating(hidden).reshape(-1, router.config.num_moe_experts)
-        own = logits.topk(self.codec.topk, dim=-1).indices.sort(dim=-1).values
+        own = own_topk(router, logits)  # megatron's choice: score function, bias, groups
         if own.shape != target.shape:
             raise RuntimeError(
                 f"MoE layer {self.layer_numbers[j]}: router chose {tuple(own.shape)} routes, "

@@ -316,7 +316,7 @@ def _optional_float(text: str) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_rl.train",
-        description="RL post-training of a Qwen3-MoE policy on megatron-core.",
+        description="RL post-training of a MoE policy (Qwen3-MoE, DeepSeek-V3) on megatron-core.",
     )
     for name, defaults in _cli_defaults().items():
         add_section(parser, name, defaults, SECTIONS[name][0])

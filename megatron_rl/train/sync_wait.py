@@ -26,10 +26,10 @@ SAFETY_FACTOR = 2.0
 def hf_model_bytes(hf_config, dtype: torch.dtype) -> int:
     """Bytes of every HF tensor of ``hf_config``'s model in ``dtype`` (what a sync pushes),
     counted on the meta device (no memory is allocated, whatever the model's size)."""
-    from transformers import Qwen3MoeForCausalLM
+    from megatron_rl.model.presets import hf_causal_lm_class
 
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(hf_config)
+        model = hf_causal_lm_class(hf_config)(hf_config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return sum(p.numel() for p in model.state_dict().values()) * itemsize
 

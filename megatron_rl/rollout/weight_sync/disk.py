@@ -33,6 +33,7 @@ class DiskTransport:
         """
         from megatron_rl.atomic_io import atomic_write_text
         from megatron_rl.model.conversion.safetensors_io import write_checkpoint
+        from megatron_rl.model.presets import hf_architecture
 
         root = os.fspath(self.config.disk_dir)
         final = os.path.join(root, f"weights-v{version}")
@@ -52,7 +53,8 @@ class DiskTransport:
             raise
         report.num_buckets = sum(f.endswith(".safetensors") for f in files)
         if self.sync.hf_config is not None:
-            config = {**self.sync.hf_config.to_dict(), "architectures": ["Qwen3MoeForCausalLM"]}
+            architecture = hf_architecture(self.sync.hf_config)
+            config = {**self.sync.hf_config.to_dict(), "architectures": [architecture]}
             atomic_write_text(os.path.join(tmp, "config.json"), json.dumps(config, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
