@@ -23,9 +23,10 @@ from megatron_rl.train.checkpoint.load import load_training_state
 from megatron_rl.train.checkpoint.save import save_training_state, start_async_save
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.evaluation import Evaluator
+from megatron_rl.train.learning_curve import plot_learning_curve
 from megatron_rl.train.preemption import PreemptionHandler
 from megatron_rl.train.run_lock import hold_run_folders, launch_rank
-from megatron_rl.train.run_logger import RunLogger, claim_run_dir, plot_learning_curve
+from megatron_rl.train.run_logger import RunLogger, claim_run_dir
 from megatron_rl.train.task import Task, add_eval_sets, build_task
 
 if TYPE_CHECKING:
@@ -217,7 +218,7 @@ def _train(
         metrics_path = os.path.join(config.logging.run_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):
             plot_learning_curve(
-                metrics_path, os.path.join(config.logging.run_dir, "learning_curve.png"), plotted
+                metrics_path, os.path.join(config.logging.run_dir, "learning_curve.svg"), plotted
             )
     return last
 

@@ -10,8 +10,7 @@ older file as ``metrics.jsonl.<UTC time>.bak`` (`set_aside`), and `claim_run_dir
 fresh run into a run dir holding rows unless ``--overwrite-run-dir`` is given. With
 ``--tensorboard-dir`` each row is also a set of TensorBoard scalars under the same names, at the
 same step (`megatron_rl.train.tensorboard_writer`).
-`plot_learning_curve` draws chosen metrics from the file with matplotlib's Agg canvas (no
-pyplot, no global backend change).
+`megatron_rl.train.learning_curve` draws chosen metrics from the file as an SVG.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -207,44 +205,6 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 records.append(record)
     return records
-
-
-def plot_learning_curve(
-    metrics_jsonl: str, png_path: str, keys: tuple[str, ...] = ("accuracy", "reward/mean")
-) -> str:
-    """One panel per metric of ``keys`` found in the file, against the step; returns png_path.
-
-    Metrics absent from the file are left out; ValueError when none of ``keys`` is present.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    records = read_metrics(metrics_jsonl)
-    present = [k for k in keys if any(r.get(k) is not None for r in records)]
-    if not present:
-        available = sorted({k for r in records for k in r} - {"step"})
-        raise ValueError(f"none of {list(keys)} is in {metrics_jsonl}; it has {available}")
-    figure = Figure(figsize=(6.4, 2.4 * len(present) + 0.6), layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.subplots(len(present), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, key in zip(axes, present, strict=True):
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        ax.plot(*zip(*points, strict=True), marker="." if len(points) <= 60 else None)
-        ax.set_ylabel(key)
-        ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("step")
-    figure.suptitle(os.path.basename(os.path.dirname(os.path.abspath(metrics_jsonl))))
-    folder = os.path.dirname(png_path) or "."
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=folder)
-    os.close(fd)
-    try:
-        figure.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, png_path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return png_path
 
 
 def _to_number(key: str, value: Any) -> float | int:

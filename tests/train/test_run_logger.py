@@ -13,7 +13,6 @@ import torch
 from megatron_rl.train.run_logger import (
     RunLogger,
     RunLoggerConfig,
-    plot_learning_curve,
     read_metrics,
 )
 
@@ -72,18 +71,6 @@ def test_non_main_rank_writes_nothing(tmp_path):
     with RunLogger(config, run_config={"a": 1}, is_main=False) as run:
         run.log(1, {"accuracy": 1.0})
     assert not (tmp_path / "run").exists()
-
-
-def test_plot_learning_curve_writes_png_of_present_keys(tmp_path):
-    with RunLogger(_config(tmp_path, show_progress=False)) as run:
-        for step in range(1, 8):
-            run.log(step, {"accuracy": step / 8, "reward/mean": math.sin(step)})
-    metrics = str(tmp_path / "run" / "metrics.jsonl")
-    png = plot_learning_curve(metrics, str(tmp_path / "out" / "curve.png"))
-    with open(png, "rb") as handle:
-        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match=r"none of \['kl'\].*'accuracy', 'reward/mean'"):
-        plot_learning_curve(metrics, str(tmp_path / "kl.png"), keys=("kl",))
 
 
 def test_config_rejects_unknown_wandb_mode(tmp_path):

@@ -73,7 +73,7 @@ def test_routing_replay_modes_run_and_report_state_and_agreement(tmp_path, repla
         assert last["routing/agreement/behaviour"] == 1.0
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
-    assert os.path.exists(tmp_path / "run" / "learning_curve.png")
+    assert os.path.exists(tmp_path / "run" / "learning_curve.svg")
 
 
 @pytest.mark.slow
