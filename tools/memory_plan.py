@@ -63,6 +63,7 @@ from megatron_rl.memory_plan import (
     REFERENCE,
     REPLAY,
     SPECS,
+    SYNC_SENDERS,
     Layout,
     MemoryPlan,
     PlanOptions,
@@ -92,6 +93,7 @@ FROM_TRAINER = (
     "optimizer_offload_fraction", "recompute", "micro_batch_tokens", "micro_batch_sequences",
     "routing_replay", "routing_codec", "routing_tokens", "routing_responses",
     "routing_response_tokens", "reference", "spec", "colocated", "server_tp",
+    "sync_staging_buffers", "sync_senders",
 )  # fmt: skip
 
 
@@ -167,12 +169,28 @@ def apply_trainer_command(
         "spec": "local" if config.model.spec == "local" else "te",
         "colocated": config.engine.colocate,
         "server_tp": config.engine.sglang_engine_ranks,
+        **_sync_staging(config.engine),
     }
     if "model" not in given:
         values["model"] = config.task.model
     if world_size is not None:
         values.update(world_size=world_size, dp=None, gpus_per_node=gpus_per_node)
     return argparse.Namespace(**{**vars(args), **values})
+
+
+def _sync_staging(engine) -> dict:
+    """What the trainer's weight sync keeps allocated (`PlanOptions.sync_staging_buffers`):
+    SGLang servers fed by the distributed transport, 2 buckets on each sender (every stage's
+    first rank, or rank 0 with --weight-sync-from-rank-0); by CUDA IPC (tensor), 1 on every rank;
+    the disk transport, the in-process engine and colocated mode (its bucket is a phase of the
+    colocated plan), none."""
+    transport = engine.weight_sync_transport
+    if engine.kind != "sglang" or engine.colocate or transport == "disk":
+        return {"sync_staging_buffers": 0, "sync_senders": "every-stage"}
+    if transport == "tensor":
+        return {"sync_staging_buffers": 1, "sync_senders": "every-rank"}
+    senders = "every-stage" if engine.per_stage_senders else "first-stage"
+    return {"sync_staging_buffers": 2, "sync_senders": senders}
 
 
 def _split_launcher(command: list[str]) -> tuple[list[str], int | None, int | None]:
@@ -284,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-imbalance", type=float, default=1.0)
     parser.add_argument("--reserve-gib", type=float, default=4.0)
     parser.add_argument("--gpu-gib", type=float, default=80.0, help="GPU memory in GiB")
+    parser.add_argument(
+        "--sync-staging-buffers",
+        type=int,
+        default=0,
+        help="weight-sync staging buffers of 512 MiB kept on a sending GPU (the distributed "
+        "transport: 2; tensor: 1; from a trainer command: what it configures)",
+    )
+    parser.add_argument("--sync-senders", choices=SYNC_SENDERS, default="every-stage")
     colocated = parser.add_argument_group("colocated (megatron_rl.memory_plan.colocate)")
     colocated.add_argument(
         "--colocated",
@@ -352,6 +378,8 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         spec=args.spec,
         micro_batch_sequences=args.micro_batch_sequences,
         grad_check_chunk_elements=args.grad_check_chunk_elements or None,
+        sync_staging_buffers=args.sync_staging_buffers,
+        sync_senders=args.sync_senders,
     )
     return plan_memory(config, layout, options, gpu_gib=args.gpu_gib)
 

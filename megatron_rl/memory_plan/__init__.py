@@ -75,6 +75,7 @@ from megatron_rl.memory_plan.options import (
     REFERENCE,
     REPLAY,
     SPECS,
+    SYNC_SENDERS,
     PlanOptions,
 )
 from megatron_rl.memory_plan.params import (
@@ -132,6 +133,7 @@ __all__ = [
     "REFERENCE",
     "REPLAY",
     "SPECS",
+    "SYNC_SENDERS",
     "AttentionBytes",
     "ColocatedPlan",
     "GradBuffer",

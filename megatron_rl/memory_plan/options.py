@@ -12,6 +12,7 @@ DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 RECOMPUTE = ("full", "none")
 REFERENCE = ("off", "gpu", "cpu")
 REPLAY = ("off", "r2", "r3")
+SYNC_SENDERS = ("every-stage", "first-stage", "every-rank")  # who holds the sync's staging
 SPECS = ("te", "local")  # megatron layer spec: Transformer Engine (fused attention) or local
 
 
@@ -42,6 +43,14 @@ class PlanOptions:
     # elements of a grad buffer the trainer's finiteness check (`backend.grad_check.all_finite`)
     # looks at per call; None: a whole buffer at once (the trainer before it chunked)
     grad_check_chunk_elements: int | None = GRAD_CHECK_CHUNK_ELEMENTS
+    # the weight sync's staging buffers, kept allocated between syncs on a sending GPU
+    # (`rollout.weight_sync.staging`): the distributed transport packs into 2 of
+    # ``sync_bucket_bytes`` (one on the wire, one being packed), CUDA IPC (tensor) into 1;
+    # ``sync_senders`` says which GPUs hold them: "every-stage" (each pipeline stage's first
+    # rank), "first-stage" (rank 0 only: --weight-sync-from-rank-0) or "every-rank" (tensor)
+    sync_staging_buffers: int = 0
+    sync_bucket_bytes: int = 512 * 1024**2
+    sync_senders: str = "every-stage"
 
     def __post_init__(self) -> None:
         choices = {
@@ -51,6 +60,7 @@ class PlanOptions:
             "routing_codec": CODECS,
             "reference": REFERENCE,
             "spec": SPECS,
+            "sync_senders": SYNC_SENDERS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -64,6 +74,10 @@ class PlanOptions:
             raise ValueError(
                 f"grad_check_chunk_elements={chunk!r}: must be None or an integer >= 1"
             )
+        for name in ("sync_staging_buffers", "sync_bucket_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 0):
+                raise ValueError(f"{name}={value!r}: must be an integer >= 0")
         if self.micro_batch_tokens % self.micro_batch_sequences:
             raise ValueError(
                 f"micro_batch_tokens={self.micro_batch_tokens} is not a multiple of "

@@ -1,6 +1,7 @@
 """The terms live for the whole step on a GPU: parameters, their buffers' padding, gradient
 buffers, optimizer state (sharded, optionally offloaded to the host), the local spec's attention
-scores buffer, routing-replay state, the reference model and the reserve."""
+scores buffer, routing-replay state, the reference model, the weight sync's staging buffers and
+the reserve."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def _unsharded(buffer: GradBuffer) -> tuple[int, int]:
     for (first, last), is_expert in zip(buffer.param_ranges, buffer.param_is_expert, strict=True):
         counts[is_expert] += last - first
     return counts[0], counts[1]
+
+
+def sync_staging_bytes(options: PlanOptions, stage: int) -> int:
+    """Bytes of the weight sync's staging buffers on the fullest GPU of pipeline ``stage``:
+    ``buffers x bucket`` where a rank of that stage sends (every stage's first rank, every rank
+    with CUDA IPC, or only stage 0 when rank 0 sends the whole model), else 0."""
+    sends = options.sync_senders != "first-stage" or stage == 0
+    return options.sync_staging_buffers * options.sync_bucket_bytes if sends else 0
 
 
 def static_terms(
@@ -156,6 +165,17 @@ def static_terms(
                 True,
                 on_gpu=on_gpu,
                 note=f"parameters, {dtype}" + ("" if on_gpu else "; offloaded to host"),
+            )
+        )
+    staging = sync_staging_bytes(options, params.stage)
+    if staging:
+        terms.append(
+            Term(
+                "weight-sync staging",
+                staging,
+                True,
+                note=f"{options.sync_staging_buffers} x {options.sync_bucket_bytes / GIB:g} GiB "
+                f"buckets kept between syncs ({options.sync_senders} senders)",
             )
         )
     terms.append(

@@ -53,6 +53,7 @@ def test_the_235b_launchers_command_plans_as_the_tools_own_flags(capsys):
     own += "--decoder-first-pipeline-num-layers 23 --decoder-last-pipeline-num-layers 23 "
     own += "--optimizer-offload-fraction 1 --micro-batch-tokens 18432 --routing-replay r2 "
     own += "--routing-responses 512 --routing-response-tokens 18432 --reference gpu --gpu-gib 80"
+    own += " --sync-staging-buffers 2"  # the distributed transport's, on each stage's sender
     assert from_command == _plan(capsys, own.split())
     assert from_command["layout"]["pipeline_layers"] == [23, 24, 24, 23] and from_command["fits"]
     # a change on the launcher's command line is a change of the plan: no offload, no fit
@@ -71,6 +72,35 @@ def test_the_colocated_launchers_command_gives_its_mem_fraction(capsys, gpu_gib,
     own += f"--gpu-gib {gpu_gib} --colocated --server-tp 8"
     assert plan == _plan(capsys, own.split())
     assert plan["colocated"]["mem_fraction_static"] == fraction
+
+
+def _staging_gib(plan: dict) -> list[float]:
+    """Per pipeline stage, the weight sync's staging GiB on its fullest GPU (0: no such term)."""
+    return [
+        sum(t["gib"] for t in stage["terms"] if t["name"] == "weight-sync staging")
+        for stage in plan["stages"]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("sync_flags", "expected"),
+    [
+        ([], [1.0, 1.0]),  # distributed: 2 x 512 MiB on each stage's sender
+        (["--weight-sync-from-rank-0"], [1.0, 0.0]),  # rank 0 sends the whole model
+        (["--weight-sync-transport", "tensor"], [0.5, 0.5]),  # CUDA IPC: 1 per rank
+        (["--weight-sync-transport", "disk"], [0.0, 0.0]),
+    ],
+    ids=["per-stage", "rank-0", "tensor", "disk"],
+)
+def test_the_weight_syncs_staging_buffers_are_planned_where_they_stay(capsys, sync_flags, expected):
+    flags = "--pipeline-model-parallel-size 2 --expert-model-parallel-size 2 --bf16 "
+    flags += "--micro-batch-size 1 --max-prompt-length 1024 --max-response-length 1024 "
+    flags += "--rollout-engine sglang --sglang-url http://node2:30000"
+    argv = ["--model", "qwen3-30b-a3b", "--world-size", "4", "--", *flags.split(), *sync_flags]
+    assert _staging_gib(_plan(capsys, argv)) == expected
+    local = "--pipeline-model-parallel-size 2 --micro-batch-size 1 --max-prompt-length 1024"
+    in_process = ["--model", "qwen3-30b-a3b", "--world-size", "2", "--", *local.split()]
+    assert _staging_gib(_plan(capsys, in_process)) == [0.0, 0.0]  # the in-process engine
 
 
 def test_bare_trainer_flags_take_the_world_size_from_the_tool(capsys):
