@@ -2,7 +2,7 @@
 
 Qwen3-MoE: layer ``i`` (0-based) is sparse when it is not in ``mlp_only_layers``, the model has
 experts (``num_experts > 0``) and ``(i + 1) % decoder_sparse_step == 0``.
-DeepSeek-V3 (a config with ``first_k_dense_replace``): layer ``i`` is sparse when
+DeepSeek-V3 and GLM-4.5 (a config with ``first_k_dense_replace``): layer ``i`` is sparse when
 ``i >= first_k_dense_replace`` and the model has routed experts (``n_routed_experts > 0``).
 One rule for the model builder, the weight-name mapping, routing replay and the rollout clients.
 Plain Python on the config's attributes: importable without transformers or megatron-core.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 def num_routed_experts(hf_config) -> int:
     """Routed experts per MoE layer: ``num_experts`` (Qwen3-MoE) or ``n_routed_experts``
-    (DeepSeek-V3); 0 for a dense model."""
+    (DeepSeek-V3, GLM-4.5); 0 for a dense model."""
     count = getattr(hf_config, "num_experts", None)
     if count is None:
         count = getattr(hf_config, "n_routed_experts", None)

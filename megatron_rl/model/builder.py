@@ -1,4 +1,5 @@
-"""Build the megatron-core `GPTModel` of a Qwen3-MoE or DeepSeek-V3 config; run it as a causal LM.
+"""Build the megatron-core `GPTModel` of a Qwen3-MoE, DeepSeek-V3 or GLM-4.5 config; run it as a
+causal LM.
 
 Layer spec: Transformer Engine on CUDA (an error naming the fix when TE is missing, unless the
 local spec is asked for), the local (megatron-core only) spec on CPU. With TE, megatron's TE
@@ -35,9 +36,10 @@ from megatron_rl.backend import cuda_available
 from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_module_in_spec
 from megatron_rl.backend.without_te import define_missing_te_symbols
 from megatron_rl.model.config import ModelOptions, rope_theta, to_transformer_config
+from megatron_rl.model.glm4_moe import rotary_percent
 from megatron_rl.model.grouped_experts import TorchGroupedMLP
 from megatron_rl.model.mla_attention import MLADotProductAttention, without_te_mla
-from megatron_rl.model.presets import load_hf_config
+from megatron_rl.model.presets import load_hf_config, model_family
 from megatron_rl.moe_layers import num_routed_experts
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,8 @@ def build_model(
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
+        # GLM-4.5 rotates the first part of each head only (see megatron_rl.model.glm4_moe)
+        rotary_percent=rotary_percent(hf_config) if model_family(hf_config) == "glm4_moe" else 1.0,
     )
     device = compute_device()
     if device.type == "cuda":

@@ -1,5 +1,6 @@
-"""Hugging Face `Qwen3MoeConfig` / `DeepseekV3Config` -> megatron-core `TransformerConfig`
-(`MLATransformerConfig` for DeepSeek-V3, see `megatron_rl.model.deepseek_v3`).
+"""Hugging Face `Qwen3MoeConfig` / `DeepseekV3Config` / `Glm4MoeConfig` -> megatron-core
+`TransformerConfig` (`MLATransformerConfig` for DeepSeek-V3, see `megatron_rl.model.deepseek_v3`;
+GLM-4.5 in `megatron_rl.model.glm4_moe`).
 
 Parallel sizes are read from megatron-core's ``parallel_state`` (initialise it first, see
 `megatron_rl.backend.init_distributed`); this module only states the architecture.
@@ -19,6 +20,7 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from transformers import Qwen3MoeConfig
 
 from megatron_rl.model.deepseek_v3 import deepseek_v3_fields
+from megatron_rl.model.glm4_moe import glm4_moe_fields
 from megatron_rl.model.options import ModelOptions
 from megatron_rl.model.presets import model_family
 from megatron_rl.model.stages import megatron_stage_layers
@@ -98,8 +100,11 @@ def to_transformer_config(
     dtype = options.torch_dtype
     pattern = moe_layer_pattern(hf_config)
     has_moe = any(pattern)
-    if model_family(hf_config) == "deepseek_v3":
+    family = model_family(hf_config)
+    if family == "deepseek_v3":
         config_class, extra = MLATransformerConfig, deepseek_v3_fields(hf_config)
+    elif family == "glm4_moe":
+        config_class, extra = TransformerConfig, glm4_moe_fields(hf_config)
     else:
         config_class, extra = TransformerConfig, qwen3_moe_fields(hf_config, has_moe)
     if options.recompute:

@@ -24,7 +24,7 @@ from typing import Any
 from transformers import DeepseekV3Config
 
 # HF's group score sums the best two experts of a group; megatron's the best topk / group_topk
-_HF_GROUP_SCORE_TOPN = 2
+HF_GROUP_SCORE_TOPN = 2
 # HF builds q_a_layernorm and kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps
 _HF_LATENT_NORM_EPS = 1e-6
 
@@ -61,9 +61,9 @@ def check_deepseek_v3(hf_config: DeepseekV3Config) -> None:
             raise ValueError(
                 f"n_routed_experts={cfg.n_routed_experts} is not divisible by n_group={groups}"
             )
-        if cfg.num_experts_per_tok != _HF_GROUP_SCORE_TOPN * cfg.topk_group:
+        if cfg.num_experts_per_tok != HF_GROUP_SCORE_TOPN * cfg.topk_group:
             raise ValueError(
-                f"num_experts_per_tok={cfg.num_experts_per_tok} must be {_HF_GROUP_SCORE_TOPN} * "
+                f"num_experts_per_tok={cfg.num_experts_per_tok} must be {HF_GROUP_SCORE_TOPN} * "
                 f"topk_group={cfg.topk_group} when n_group > 1: HF scores a group by its best two "
                 "experts, megatron by its best num_experts_per_tok / topk_group"
             )

@@ -1,4 +1,5 @@
-"""Named model shapes, as Hugging Face configs: `Qwen3MoeConfig` or `DeepseekV3Config`.
+"""Named model shapes, as Hugging Face configs: `Qwen3MoeConfig`, `DeepseekV3Config` or
+`Glm4MoeConfig`.
 
 Unknown names raise ValueError listing the known ones (an explicit allowlist); so does a config
 of a model family the project does not build (`FAMILIES`).
@@ -10,14 +11,15 @@ import json
 import os
 from typing import Any
 
-from transformers import DeepseekV3Config, Qwen3MoeConfig
+from transformers import DeepseekV3Config, Glm4MoeConfig, Qwen3MoeConfig
 
 # HF ``model_type`` -> (config class, ``architectures`` entry of its config.json)
 FAMILIES: dict[str, tuple[type, str]] = {
     "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
     "deepseek_v3": (DeepseekV3Config, "DeepseekV3ForCausalLM"),
+    "glm4_moe": (Glm4MoeConfig, "Glm4MoeForCausalLM"),
 }
-HFConfig = Qwen3MoeConfig | DeepseekV3Config
+HFConfig = Qwen3MoeConfig | DeepseekV3Config | Glm4MoeConfig
 
 _PRESETS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-30B-A3B's config.json shape.
@@ -129,19 +131,57 @@ _DEEPSEEK_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
-PRESET_NAMES = (*_PRESETS, *_DEEPSEEK_PRESETS)
+# GLM-4.5-shaped (GQA with q/k/v biases, qk-norm and rope on the first half of each head, two
+# dense layers, then sigmoid-routed MoE layers with the score-correction bias, a shared expert
+# and, unlike GLM-4.5 itself (n_group=1), group-limited top-k: 16 experts in 4 groups, the best 2
+# groups, top-4): a few seconds per CPU step.
+_GLM_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-glm": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        first_k_dense_replace=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+_CONFIG_CLASSES: dict[str, tuple[dict[str, dict[str, Any]], type]] = {
+    **{name: (_PRESETS, Qwen3MoeConfig) for name in _PRESETS},
+    **{name: (_DEEPSEEK_PRESETS, DeepseekV3Config) for name in _DEEPSEEK_PRESETS},
+    **{name: (_GLM_PRESETS, Glm4MoeConfig) for name in _GLM_PRESETS},
+}
+PRESET_NAMES = tuple(_CONFIG_CLASSES)
 
 
 def preset_config(name: str, **overrides: Any) -> HFConfig:
     """The HF config of preset ``name`` with keyword ``overrides`` applied."""
-    if name in _PRESETS:
-        kwargs, config_class = {**_PRESETS[name], **overrides}, Qwen3MoeConfig
-    elif name in _DEEPSEEK_PRESETS:
-        kwargs, config_class = {**_DEEPSEEK_PRESETS[name], **overrides}, DeepseekV3Config
-    else:
+    if name not in _CONFIG_CLASSES:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
-    rope_theta = kwargs.pop("rope_theta")
-    kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": rope_theta})
+    table, config_class = _CONFIG_CLASSES[name]
+    kwargs = {**table[name], **overrides}
+    rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    if "partial_rotary_factor" in kwargs:  # transformers 5 keeps it in rope_parameters
+        rope_parameters["partial_rotary_factor"] = kwargs.pop("partial_rotary_factor")
+    kwargs.setdefault("rope_parameters", rope_parameters)
     return config_class(**kwargs)
 
 
@@ -162,8 +202,9 @@ def hf_architecture(hf_config: HFConfig) -> str:
 
 
 def hf_causal_lm_class(hf_config: HFConfig) -> type:
-    """transformers' causal-LM class of ``hf_config``'s family (``Qwen3MoeForCausalLM`` or
-    ``DeepseekV3ForCausalLM``): what the in-process engine runs and the weight sync sizes."""
+    """transformers' causal-LM class of ``hf_config``'s family (``Qwen3MoeForCausalLM``,
+    ``DeepseekV3ForCausalLM`` or ``Glm4MoeForCausalLM``): what the in-process engine runs and the
+    weight sync sizes."""
     import transformers
 
     return getattr(transformers, hf_architecture(hf_config))
@@ -175,7 +216,7 @@ def load_hf_config(config: HFConfig | str | os.PathLike) -> HFConfig:
     The config's ``model_type`` picks the family (`FAMILIES`; a file without one is read as
     Qwen3-MoE); any other raises ValueError listing the supported families.
     """
-    if isinstance(config, Qwen3MoeConfig | DeepseekV3Config):
+    if isinstance(config, Qwen3MoeConfig | DeepseekV3Config | Glm4MoeConfig):
         model_family(config)
         return config
     path = os.fspath(config)

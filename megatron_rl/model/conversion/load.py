@@ -35,8 +35,9 @@ _MAX_LISTED = 12
 
 
 def mtp_hf_names(cfg, names: Iterable[str]) -> list[str]:
-    """HF tensor names of multi-token-prediction layers (DeepSeek-V3 only; none otherwise)."""
-    if model_family(cfg) != "deepseek_v3":
+    """HF tensor names of multi-token-prediction layers (DeepSeek-V3 and GLM-4.5; none for
+    Qwen3-MoE)."""
+    if model_family(cfg) not in ("deepseek_v3", "glm4_moe"):
         return []
     from megatron_rl.model.conversion.names_deepseek import mtp_hf_names as deepseek_mtp_names
 

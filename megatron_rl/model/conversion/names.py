@@ -1,5 +1,6 @@
 """Name and shape mapping between Qwen3-MoE HF tensors and megatron-core parameters (the
-DeepSeek-V3 layers' names are in `names_deepseek`, the rest is shared).
+DeepSeek-V3 layers' names are in `names_deepseek`, GLM-4.5's in `names_glm4_moe`, the rest is
+shared).
 
 Three name spaces:
 - HF: ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` ... (what ``save_pretrained`` and the
@@ -68,11 +69,10 @@ def head_dim(hf_config: Qwen3MoeConfig) -> int:
     )
 
 
-def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: int) -> list:
-    """Maps of global layer ``i`` held as local layer ``li``."""
+def gqa_attention_maps(cfg, te: bool, i: int, li: int, qk_norm: bool = True) -> list[TensorMap]:
+    """Maps of the input norm and grouped-query attention of global layer ``i`` (local ``li``):
+    fused q/k/v (and their biases iff ``attention_bias``), the q/k norms iff ``qk_norm``."""
     hp, cp, m = f"model.layers.{i}.", f"decoder.layers.{i}.", f"decoder.layers.{li}."
-    te = layout == "te"
-    sparse = moe_layer_pattern(cfg)[i] == 1
     maps = [
         TensorMap(
             param=m
@@ -89,16 +89,6 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
             group="tp",
         ),
         TensorMap(
-            param=m + "self_attention.q_layernorm.weight",
-            canonical=cp + "self_attention.q_layernorm.weight",
-            hf=(hp + "self_attn.q_norm.weight",),
-        ),
-        TensorMap(
-            param=m + "self_attention.k_layernorm.weight",
-            canonical=cp + "self_attention.k_layernorm.weight",
-            hf=(hp + "self_attn.k_norm.weight",),
-        ),
-        TensorMap(
             param=m + "self_attention.linear_proj.weight",
             canonical=cp + "self_attention.linear_proj.weight",
             hf=(hp + "self_attn.o_proj.weight",),
@@ -106,6 +96,15 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
             group="tp",
         ),
     ]
+    if qk_norm:
+        maps[2:2] = [
+            TensorMap(
+                param=m + f"self_attention.{x}_layernorm.weight",
+                canonical=cp + f"self_attention.{x}_layernorm.weight",
+                hf=(hp + f"self_attn.{x}_norm.weight",),
+            )
+            for x in "qk"
+        ]
     if getattr(cfg, "attention_bias", False):
         maps.append(
             TensorMap(
@@ -117,14 +116,27 @@ def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: 
                 group="tp",
             )
         )
-    dense_norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
-    maps.append(
-        TensorMap(
-            param=m + ("pre_mlp_layernorm.weight" if sparse else dense_norm),
-            canonical=cp + "pre_mlp_layernorm.weight",
-            hf=(hp + "post_attention_layernorm.weight",),
-        )
+    return maps
+
+
+def pre_mlp_norm_map(te: bool, sparse: bool, i: int, li: int) -> TensorMap:
+    """The norm before the MLP of global layer ``i`` (HF ``post_attention_layernorm``); the TE
+    spec fuses a dense layer's into its ``linear_fc1``."""
+    te_dense = te and not sparse
+    return TensorMap(
+        param=f"decoder.layers.{li}."
+        + ("mlp.linear_fc1.layer_norm_weight" if te_dense else "pre_mlp_layernorm.weight"),
+        canonical=f"decoder.layers.{i}.pre_mlp_layernorm.weight",
+        hf=(f"model.layers.{i}.post_attention_layernorm.weight",),
     )
+
+
+def _layer_maps(cfg: Qwen3MoeConfig, layout: str, rank: RankLayout, i: int, li: int) -> list:
+    """Maps of global layer ``i`` held as local layer ``li``."""
+    hp, cp, m = f"model.layers.{i}.", f"decoder.layers.{i}.", f"decoder.layers.{li}."
+    sparse = moe_layer_pattern(cfg)[i] == 1
+    maps = gqa_attention_maps(cfg, layout == "te", i, li)
+    maps.append(pre_mlp_norm_map(layout == "te", sparse, i, li))
     if not sparse:
         maps += mlp_maps(m + "mlp.", cp + "mlp.", hp + "mlp.", "tp")
         return maps
@@ -226,8 +238,11 @@ def rank_tensor_maps(
             )
         )
     layer_maps = _layer_maps
-    if model_family(hf_config) == "deepseek_v3":
+    family = model_family(hf_config)
+    if family == "deepseek_v3":
         from megatron_rl.model.conversion.names_deepseek import deepseek_layer_maps as layer_maps
+    elif family == "glm4_moe":
+        from megatron_rl.model.conversion.names_glm4_moe import glm4_moe_layer_maps as layer_maps
     for li in range(num_layers):
         maps += layer_maps(hf_config, layout, rank, rank.layer_offset + li, li)
     if rank.post_process:

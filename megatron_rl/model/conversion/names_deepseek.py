@@ -119,7 +119,15 @@ def deepseek_layer_maps(
     ]
     if not sparse:
         return maps + mlp_maps(m + "mlp.", cp + "mlp.", hp + "mlp.", "tp")
-    maps += [
+    return maps + sigmoid_moe_maps(cfg, layout, rank, i, li)
+
+
+def sigmoid_moe_maps(cfg, layout: str, rank: RankLayout, i: int, li: int) -> list[TensorMap]:
+    """The MoE block of DeepSeek-V3 and GLM-4.5 (global layer ``i``, local ``li``): the sigmoid
+    router with its score-correction bias, the routed experts, the ``n_shared_experts`` shared
+    experts (one fused MLP)."""
+    hp, cp, m = f"model.layers.{i}.", f"decoder.layers.{i}.", f"decoder.layers.{li}."
+    maps = [
         TensorMap(param=m + f"mlp.router.{leaf}", canonical=cp + f"mlp.router.{leaf}", hf=(hf,))
         for leaf, hf in (
             ("weight", hp + "mlp.gate.weight"),

@@ -17,10 +17,15 @@ from megatron_rl.model.presets import model_family
 
 def hf_shape(name: str, cfg: Qwen3MoeConfig) -> tuple[int, ...]:
     """The shape of the HF tensor ``name`` under ``cfg``."""
-    if model_family(cfg) == "deepseek_v3":
+    family = model_family(cfg)
+    if family == "deepseek_v3":
         from megatron_rl.model.conversion.names_deepseek import deepseek_hf_shape
 
         return deepseek_hf_shape(name, cfg)
+    if family == "glm4_moe":
+        from megatron_rl.model.conversion.names_glm4_moe import glm4_moe_hf_shape
+
+        return glm4_moe_hf_shape(name, cfg)
     h, d = cfg.hidden_size, head_dim(cfg)
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     leaf = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
