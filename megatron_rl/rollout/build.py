@@ -55,6 +55,7 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
         engine_ranks=config.sglang_engine_ranks,
         failure_timeout_s=config.weight_sync_failure_timeout,
         pause_mode=config.sglang_pause_mode,
+        fp8_blocks=config.weight_sync_fp8_blocks,
     )
     engine_config = SGLangEngineConfig.from_hf_config(
         hf_config,

@@ -61,6 +61,13 @@ class EngineConfig:
         "tensors from global rank 0 (over the pipeline group first) instead of from each "
         "stage's first rank over a weight group of its own",
     )
+    weight_sync_fp8_blocks: bool = option(
+        False,
+        help="every weight sync sends the linear weights block-FP8 quantised (float8_e4m3fn "
+        "plus a float32 weight_scale_inv per 128x128 block), for SGLang servers started on a "
+        "checkpoint whose quantization_config is fp8 with weight_block_size [128, 128]; the "
+        "disk transport also writes that quantization_config",
+    )
     sglang_engine_ranks: int = option(1, help="TP ranks of each SGLang server (weight-sync group)")
     sglang_request_timeout: float | None = option(
         None,
@@ -165,6 +172,13 @@ class EngineConfig:
     def _check_sglang_only(self) -> None:
         """What SGLang servers would ignore or cannot do: the in-process engine's dtype, and a
         router or a partial server set under ``--colocate``."""
+        if self.weight_sync_fp8_blocks and self.kind != "sglang":
+            raise bad_value(
+                self,
+                "weight_sync_fp8_blocks",
+                "quantises what a weight sync sends to SGLang servers; the in-process engine "
+                "takes full-precision weights (its FP8 serving is --rollout-dtype float8)",
+            )
         if self.kind == "sglang" and self.rollout_dtype != "float32":
             raise bad_value(
                 self,

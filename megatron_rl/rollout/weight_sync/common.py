@@ -36,6 +36,9 @@ class WeightSyncConfig:
     ``/continue_generation``; ``in_place`` keeps them with their KV cache and skips the flush
     (SGLang refuses it while requests are parked in place). With ``retract`` and ``in_place`` a
     request that outlives the sync finishes with ``meta_info.weight_versions`` segments.
+    ``fp8_blocks``: every sender sends its HF stream block-FP8 quantised
+    (`megatron_rl.model.conversion.block_fp8`: linear weights as float8_e4m3fn plus a float32
+    ``weight_scale_inv`` per 128x128 block), for servers started on a block-FP8 checkpoint.
     """
 
     transport: str = "distributed"
@@ -51,6 +54,7 @@ class WeightSyncConfig:
     group_timeout_s: float = 300.0
     failure_timeout_s: float = 30.0
     pause_mode: str = "abort"
+    fp8_blocks: bool = False
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -93,6 +97,24 @@ class SyncReport:
     @property
     def mb_per_s(self) -> float:
         return self.num_bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+def sent_stream(stream, config: WeightSyncConfig):
+    """``stream`` as every sender sends it: block-FP8 quantised under ``config.fp8_blocks``
+    (a NaN or Inf in a weight is a WeightSyncError naming it), else unchanged."""
+    if not config.fp8_blocks:
+        return stream
+    from megatron_rl.model.conversion.block_fp8 import quantize_stream
+
+    def checked():
+        try:
+            yield from quantize_stream(stream)
+        except ValueError as error:
+            raise WeightSyncError(
+                f"weight sync: {error}; nothing after the previous bucket was sent"
+            ) from None
+
+    return checked()
 
 
 def call_failure(future) -> str | None:

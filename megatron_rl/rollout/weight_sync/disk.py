@@ -10,6 +10,7 @@ import shutil
 
 from megatron_rl.rollout import flat_bucket
 from megatron_rl.rollout.weight_sync.common import SyncReport, WeightSyncConfig, WeightSyncError
+from megatron_rl.rollout.weight_sync.staging import FLOAT8
 from megatron_rl.rollout.weight_sync.transport import SyncRound
 
 
@@ -32,6 +33,7 @@ class DiskTransport:
         servers run on and SGLang reloads if this update fails: at most two versions on disk.
         """
         from megatron_rl.atomic_io import atomic_write_text
+        from megatron_rl.model.conversion.block_fp8 import quantization_config
         from megatron_rl.model.conversion.safetensors_io import write_checkpoint
         from megatron_rl.model.presets import hf_architecture
 
@@ -55,6 +57,8 @@ class DiskTransport:
         if self.sync.hf_config is not None:
             architecture = hf_architecture(self.sync.hf_config)
             config = {**self.sync.hf_config.to_dict(), "architectures": [architecture]}
+            if self.config.fp8_blocks:
+                config["quantization_config"] = quantization_config()
             atomic_write_text(os.path.join(tmp, "config.json"), json.dumps(config, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -70,9 +74,12 @@ class DiskTransport:
 
 
 def _finite(stream, version: int):
-    """``stream``, failing on the first tensor holding NaN or Inf (one aminmax each)."""
+    """``stream``, failing on the first tensor holding NaN or Inf (one aminmax each; float8
+    weights were checked before rounding, `block_fp8`)."""
     for name, tensor in stream:
-        if flat_bucket.nonfinite_name([(name, tensor)]) is not None:
+        if tensor.dtype in FLOAT8:
+            pass
+        elif flat_bucket.nonfinite_name([(name, tensor)]) is not None:
             raise WeightSyncError(
                 f"weight sync to version {version}: tensor {name!r} holds NaN or Inf; "
                 "the version is unchanged"

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_rl.collectives import broadcast_object
 from megatron_rl.rollout.flat_bucket import flat_buckets
-from megatron_rl.rollout.weight_sync.common import WeightSyncConfig
+from megatron_rl.rollout.weight_sync.common import WeightSyncConfig, sent_stream
 from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda
 
 BUCKET, STOP = "bucket", "stop"
@@ -72,7 +72,7 @@ def serve_handles(link: HandleLink, stream, version: int, serialize, obj_of) -> 
     of it (``serialize(obj_of(flat, slots))``) until rank 0 says ``"stop"``."""
     device = current_cuda() if torch.cuda.is_available() else torch.device("cpu")
     staging = Staging(link.config, num_buffers=1)
-    buckets = iter(flat_buckets(stream, link.config.bucket_bytes))
+    buckets = iter(flat_buckets(sent_stream(stream, link.config), link.config.bucket_bytes))
     try:
         while link.hear() == BUCKET:
             bucket = next(buckets, None)  # rank 0 pulls its own at the same time

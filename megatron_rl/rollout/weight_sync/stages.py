@@ -42,7 +42,7 @@ from megatron_rl.rollout.weight_group import (
     dtype_name,
     init_weight_group,
 )
-from megatron_rl.rollout.weight_sync.common import WeightSyncConfig, WeightSyncError
+from megatron_rl.rollout.weight_sync.common import WeightSyncConfig, WeightSyncError, sent_stream
 from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda
 
 
@@ -126,7 +126,7 @@ class StageSender:
         """Send this stage's (name, tensor) ``stream`` as rank 0 asks, until it says ``end``."""
         cfg = self.config
         device = current_cuda() if cfg.backend == "nccl" else torch.device("cpu")
-        buckets = iter(flat_buckets(stream, cfg.bucket_bytes))
+        buckets = iter(flat_buckets(sent_stream(stream, cfg), cfg.bucket_bytes))
         flat = None
         try:
             while True:

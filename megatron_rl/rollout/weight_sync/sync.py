@@ -22,6 +22,7 @@ from megatron_rl.rollout.weight_sync.common import (
     WeightSyncConfig,
     WeightSyncError,
     call_failure,
+    sent_stream,
 )
 from megatron_rl.rollout.weight_sync.disk import DiskTransport
 from megatron_rl.rollout.weight_sync.distributed import DistributedTransport
@@ -203,6 +204,7 @@ class WeightSync:
         report = SyncReport(version=version)
         start = time.perf_counter()
         sums: dict[str, float] = {}
+        named_tensors = sent_stream(named_tensors, self.config)
         stream = self._account(named_tensors, report, sums if self.config.checksum else None)
         members = self.pool.members()
         dropped = list(self.pool.dropped())

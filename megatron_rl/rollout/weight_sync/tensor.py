@@ -4,17 +4,16 @@ IPC handle on GPU, a shared-memory file name on CPU)."""
 
 from __future__ import annotations
 
-import base64
-import io
 import types
 
 import torch
 
 from megatron_rl.rollout import flat_bucket
 from megatron_rl.rollout.flat_bucket import FLATTENED, flat_buckets
+from megatron_rl.rollout.weight_sync import ipc_serializer
 from megatron_rl.rollout.weight_sync.common import SyncReport, WeightSyncConfig, WeightSyncError
 from megatron_rl.rollout.weight_sync.rank_handles import BUCKET, HandleLink
-from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda, file_system_sharing
+from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda
 from megatron_rl.rollout.weight_sync.transport import SyncRound
 
 
@@ -35,18 +34,18 @@ class TensorTransport:
     ) -> None:
         """``/update_weights_from_tensor`` per bucket with ``load_format="flattened_bucket"``.
 
-        The payload is SGLang's own ``MultiprocessingSerializer.serialize(obj, output_str=True)``
-        format (``ForkingPickler`` + base64) of ``{"flattened_tensor": flat, "metadata": [...]}``
-        (what ``_update_weights_from_flattened_bucket`` reads; metadata entries are
-        ``SimpleNamespace`` with ``FlattenedTensorMetadata``'s fields, which SGLang's
-        ``SafeUnpickler`` admits). The tensor itself never travels: on GPU it is a CUDA IPC
-        handle (after SGLang's ``monkey_patch_torch_reductions``, GPUs named by UUID), on CPU
-        the name of the shared-memory file holding the staging buffer. SGLang's
-        ``serialized_named_tensors`` holds one entry per TP rank and each rank deserialises only
-        its own (``tp_worker.deserialize_own_rank``): every entry is its own serialisation,
-        because each carries its own producer-side reference count. A GPU bucket is a fresh
-        buffer (as SGLang's producer makes it); the buffer stays referenced until every server's
-        call has returned. On CPU the one shared buffer is reused: servers copy on load.
+        The payload is SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` format
+        (``ForkingPickler`` + base64, written by `ipc_serializer`) of ``{"flattened_tensor": flat,
+        "metadata": [...]}`` (what ``_update_weights_from_flattened_bucket`` reads; metadata entries
+        are ``SimpleNamespace`` with ``FlattenedTensorMetadata``'s fields, which SGLang's
+        ``SafeUnpickler`` admits). The tensor itself never travels: on GPU it is a CUDA IPC handle
+        (GPUs named by UUID, as SGLang's ``monkey_patch_torch_reductions`` expects), on CPU the name
+        of the shared-memory file holding the staging buffer. SGLang's ``serialized_named_tensors``
+        holds one entry per TP rank and each rank deserialises only its own
+        (``tp_worker.deserialize_own_rank``): every entry is its own serialisation, because each
+        carries its own producer-side reference count. A GPU bucket is a fresh buffer (as SGLang's
+        producer makes it); the buffer stays referenced until every server's call has returned. On
+        CPU the one shared buffer is reused: servers copy on load.
 
         ``peers`` (``--colocate``, `rank_handles`): every trainer rank stages the bucket too,
         and server i's entry r is the handle of trainer rank ``i * engine_ranks + r``, the one
@@ -110,8 +109,9 @@ def bucket_object(flat: torch.Tensor, slots) -> dict:
 
 
 def serializer():
-    """SGLang's serialiser on GPU (CUDA IPC handles), the shared-file one on CPU."""
-    return _sglang_serialize() if torch.cuda.is_available() else _serialize_shared
+    """`ipc_serializer.serialize`: CUDA IPC handles (devices by UUID) on GPU, shared-memory file
+    names on CPU (through `_serialize_shared`, the seam tests replace)."""
+    return ipc_serializer.serialize if torch.cuda.is_available() else _serialize_shared
 
 
 def _metadata(slot: flat_bucket.Slot) -> types.SimpleNamespace:
@@ -129,18 +129,4 @@ def _metadata(slot: flat_bucket.Slot) -> types.SimpleNamespace:
 def _serialize_shared(obj) -> str:
     """SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` on CPU:
     ``ForkingPickler`` (shared storages by file name) then base64."""
-    from multiprocessing.reduction import ForkingPickler
-
-    buffer = io.BytesIO()
-    with file_system_sharing():
-        ForkingPickler(buffer).dump(obj)
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-def _sglang_serialize():
-    """SGLang's serializer, after SGLang's own patch of torch's CUDA-IPC reductions."""
-    from sglang.srt.utils import MultiprocessingSerializer  # pragma: no cover - needs sglang
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    monkey_patch_torch_reductions()  # idempotent
-    return lambda obj: MultiprocessingSerializer.serialize(obj, output_str=True)
+    return ipc_serializer.serialize(obj)
