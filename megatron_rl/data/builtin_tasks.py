@@ -6,7 +6,13 @@ name               what                                         reward ("builtin
 ``successor``      the successor of a digit (`builtin_task`)    ``builtin``         1 digit
 ``addition-trace`` column-wise addition with written carries    ``addition-trace``  32-83 tokens
                    (`addition_trace`), digits 3..8
+``calculator``     products of two digits with a calculator     its rollout's       8+ tokens
+                   tool, multi-turn (`calculator_task`)
 =================  ===========================================  ==================  =============
+
+``calculator`` names its own rollout function (`BuiltinTaskSpec.rollout_function`, used while
+``--rollout-function`` keeps its default): the multi-turn tool rollout, which also gives each
+episode its reward; it has no held-out split.
 
 Each has a fixed held-out split (``--eval-prompt-data builtin``): ``successor``'s is
 `builtin_heldout` (``<bos> 0 + d =``), ``addition-trace``'s is ``addition-trace-heldout``
@@ -25,6 +31,12 @@ from megatron_rl.data.addition_trace import (
     addition_trace_task,
 )
 from megatron_rl.data.builtin_task import BuiltinTaskConfig, builtin_heldout, builtin_task
+from megatron_rl.data.calculator_task import (
+    MIN_RESPONSE_TOKENS,
+    CalculatorConfig,
+    calculator_heldout,
+    calculator_task,
+)
 from megatron_rl.data.records import PromptRecord
 
 DEFAULT_TASK = "successor"
@@ -40,12 +52,15 @@ class BuiltinTaskSpec:
         reward: the reward name (`megatron_rl.rewards.get_reward_fn`) that scores it.
         min_response_tokens: the shortest ``--max-response-length`` whose responses can all be
             correct (``<eos>`` included); 1 where the reward reads only the first symbol.
+        rollout_function: the task's own ``module:function`` rollout
+            (`megatron_rl.train.rollout_function`), or None for ``--rollout-function``'s.
     """
 
     build: Callable[[int], tuple[object, list[PromptRecord]]]
     heldout: Callable[[int], list[PromptRecord]]
     reward: str
     min_response_tokens: int
+    rollout_function: str | None = None
 
 
 _TASKS: dict[str, BuiltinTaskSpec] = {
@@ -60,6 +75,13 @@ _TASKS: dict[str, BuiltinTaskSpec] = {
         heldout=lambda seed: addition_trace_heldout(AdditionTraceConfig(seed=seed)),
         reward="addition-trace",
         min_response_tokens=AdditionTraceConfig().longest_response_tokens,
+    ),
+    "calculator": BuiltinTaskSpec(
+        build=lambda seed: calculator_task(CalculatorConfig(seed=seed)),
+        heldout=lambda seed: calculator_heldout(CalculatorConfig(seed=seed)),
+        reward="builtin",  # unused: the rollout function rewards each episode
+        min_response_tokens=MIN_RESPONSE_TOKENS,
+        rollout_function="megatron_rl.train.tool_rollout:calculator_rollout",
     ),
 }
 

@@ -39,6 +39,9 @@ class TrainSample:
     # (``weight_version``) generated every token (see megatron_rl/train/token_versions.py)
     weight_versions: tuple[tuple[int, int, int], ...] = ()
     prompt_index: int = -1  # its prompt's dataset index (-1: not recorded)
+    # bool [R]: the response tokens in the loss (None: all); False on tokens the policy did not
+    # sample, e.g. a tool's answer in a multi-turn rollout (megatron_rl/train/rollout_function.py)
+    response_mask: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -123,7 +126,8 @@ def make_micro_batch(
         tokens[i, :p] = sample.prompt_ids
         tokens[i, p : p + r] = sample.response_ids
         if sample.in_loss:
-            mask[i, p - 1 : p + r - 1] = True
+            trained = True if sample.response_mask is None else sample.response_mask
+            mask[i, p - 1 : p + r - 1] = trained
         rollout[i, p - 1 : p + r - 1] = sample.rollout_logprobs
         versions_BT[i, p - 1 : p + r - 1] = versions[i]
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)

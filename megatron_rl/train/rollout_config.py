@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from megatron_rl.flags import bad_value, check_choice, check_positive_ints, option
 from megatron_rl.train.advantages import ADVANTAGE_ESTIMATORS
+from megatron_rl.train.rollout_function import DEFAULT_ROLLOUT_FUNCTION
 from megatron_rl.train.rollout_schedule import SCHEDULES, RolloutSchedule
 
 
@@ -14,6 +15,13 @@ from megatron_rl.train.rollout_schedule import SCHEDULES, RolloutSchedule
 class RolloutConfig:
     """Sampling and grouping of the rollout phase; one-step-off-policy rollouts."""
 
+    rollout_function: str = option(
+        DEFAULT_ROLLOUT_FUNCTION,
+        help="module:function that generates a batch's samples from its prompts and an engine "
+        "handle (multi-turn, tools, ...; contract in megatron_rl/train/rollout_function.py); "
+        "default: the built-in single-turn rollout, or the built-in --task's own (calculator's "
+        "multi-turn tool rollout); not with partial or carry-over schedules",
+    )
     rollout_batch_size: int = option(16, help="prompts per rollout")
     n_samples_per_prompt: int = option(8, help="samples per prompt (the group size)")
     max_response_length: int = option(4, help="longest response in tokens")
@@ -210,6 +218,17 @@ class RolloutConfig:
                 "rollouts are never stale; add --async-rollout or drop --max-staleness"
             )
         self._check_rollout_dumps()
+        self._check_rollout_function()
+
+    def _check_rollout_function(self) -> None:
+        """A custom ``--rollout-function`` resolves (imported now: a typo fails at parse time)
+        and runs whole batches: not with a schedule that pauses or carries samples mid-way."""
+        if self.rollout_function == DEFAULT_ROLLOUT_FUNCTION:
+            return
+        from megatron_rl.train.rollout_function import resolve_rollout_function
+
+        resolve_rollout_function(self.rollout_function)
+        check_custom_schedule(self.rollout_function, self.schedule)
 
     def _resolve_schedule(self) -> None:
         """``--rollout-schedule`` given: the alias flags must agree with it and take its values,
@@ -290,3 +309,15 @@ class RolloutConfig:
     @property
     def samples_per_rollout(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+def check_custom_schedule(name: str, schedule: RolloutSchedule) -> None:
+    """ValueError when rollout function ``name`` (not the built-in single-turn one) meets a
+    schedule that continues samples across rollouts or weight syncs: its turns would need
+    pausing and resuming mid-sample, which the contract does not cover."""
+    if schedule.partial or schedule.carry_over:
+        raise ValueError(
+            f"--rollout-function {name} with --rollout-schedule {schedule.name}: a custom "
+            "rollout function runs whole batches (its turns are not paused at a weight sync nor "
+            "carried to the next rollout); use --rollout-schedule sync or async"
+        )

@@ -32,8 +32,14 @@ from megatron_rl.train.carry_over import CarryOver
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
 from megatron_rl.train.rank_topology import RankTopology
+from megatron_rl.train.rollout_config import check_custom_schedule
 from megatron_rl.train.rollout_dump import build_rollout_dump
-from megatron_rl.train.rollout_phase import rollout_params, run_rollout, score_rollout
+from megatron_rl.train.rollout_function import (
+    DEFAULT_ROLLOUT_FUNCTION,
+    RolloutRequest,
+    resolve_rollout_function,
+)
+from megatron_rl.train.rollout_phase import rollout_params, run_rollout_function, score_rollout
 from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks, SyncRollouts
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,7 @@ class RolloutManager:
         self.tokenizer, self.records, self.reward_fn = task.tokenizer, task.records, task.reward_fn
         self.sampler = task.new_sampler()
         self.hf_config = task.hf_config
+        self.rollout_function = self._rollout_function(task)  # (name, function)
         self.reward_error: str | None = None  # the latest rollout's first failed reward, if any
         self.trained_prompts: list[int] = []  # this rank's prompts of the last batch taken
         self._index = 0  # the rollout being taken (its refill rounds' sampling seeds)
@@ -217,6 +224,16 @@ class RolloutManager:
             codec=codec,
         )
 
+    def _rollout_function(self, task):
+        """``(name, function)`` of ``--rollout-function`` or, while it keeps its default, of the
+        built-in task's own (`megatron_rl.train.rollout_function`)."""
+        name = self.config.rollout.rollout_function
+        if name == DEFAULT_ROLLOUT_FUNCTION and getattr(task, "rollout_function", None):
+            name = task.rollout_function
+        if name != DEFAULT_ROLLOUT_FUNCTION:
+            check_custom_schedule(name, self.config.rollout.schedule)
+        return name, resolve_rollout_function(name)
+
     def _draw_prompts(self, count: int | None = None) -> list[int]:
         """This data-parallel rank's share of the next ``count`` prompts (default: a rollout's,
         ``rollout_batch_size``, or its over-sampled first draw with ``--dynamic-sampling``, or
@@ -252,16 +269,21 @@ class RolloutManager:
                 prompt_indices=prompts,
             )
             result.metrics.update(pool_metrics)
-        else:
-            result = run_rollout(
-                self.engine,
-                [self.records[i] for i in mine],
-                self.tokenizer,
-                self.reward_fn,
-                config.rollout,
-                seed=seed + round_index * 7_919,
+        else:  # --rollout-function (the task's own while at its default)
+            name, fn = self.rollout_function
+            records = [self.records[i] for i in mine]
+            request = RolloutRequest(
+                records=records,
+                n=config.rollout.n_samples_per_prompt,
+                engine=self.engine,
+                params=rollout_params(config.rollout, self.tokenizer, seed + round_index * 7_919),
                 return_routes=config.replay.mode == "r3",
+                tokenizer=self.tokenizer,
+                rollout=config.rollout,
+                config=config,
             )
+            vocab = int(self.hf_config.vocab_size)
+            result = run_rollout_function(fn, name, request, self.reward_fn, vocab_size=vocab)
         if result.reward_error is not None:
             self.reward_error = result.reward_error
         return result.samples, result.metrics

@@ -29,10 +29,16 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.rewards import compute_rewards
-from megatron_rl.rollout import SamplingParams
+from megatron_rl.rollout import RolloutSample, SamplingParams
 from megatron_rl.train.advantages import group_advantages
 from megatron_rl.train.batch import TrainSample
 from megatron_rl.train.rollout_config import RolloutConfig
+from megatron_rl.train.rollout_function import (
+    RolloutFunction,
+    RolloutOutput,
+    RolloutRequest,
+    call_rollout_function,
+)
 
 
 @dataclass(slots=True)
@@ -53,13 +59,50 @@ def run_rollout(
     return_routes: bool,
 ) -> RolloutResult:
     """Generate ``n`` samples for each record, reward them and compute group advantages."""
-    generated = engine.generate(
-        [list(r.prompt_ids) for r in records],
-        rollout_params(config, tokenizer, seed),
+    request = RolloutRequest(
+        records=records,
         n=config.n_samples_per_prompt,
-        return_routed_experts=return_routes,
+        engine=engine,
+        params=rollout_params(config, tokenizer, seed),
+        return_routes=return_routes,
+        tokenizer=tokenizer,
+        rollout=config,
     )
-    return score_rollout(generated, records, tokenizer, reward_fn, config, engine=engine)
+    return score_rollout(
+        single_turn_rollout(request), records, tokenizer, reward_fn, config, engine=engine
+    )
+
+
+def single_turn_rollout(request: RolloutRequest) -> list[RolloutSample]:
+    """The built-in rollout function (``--rollout-function`` default): one ``generate`` of
+    ``n`` samples per prompt; every response token trained, the run's reward scores them."""
+    return request.engine.generate(
+        [list(r.prompt_ids) for r in request.records],
+        request.params,
+        n=request.n,
+        return_routed_experts=request.return_routes,
+    )
+
+
+def run_rollout_function(
+    fn: RolloutFunction,
+    name: str,
+    request: RolloutRequest,
+    reward_fn,
+    *,
+    vocab_size: int,
+) -> RolloutResult:
+    """`run_rollout` with rollout function ``fn`` (named ``name`` in errors): its samples checked
+    (`megatron_rl.train.rollout_function.check_outputs`), then scored like the built-in's."""
+    outputs = call_rollout_function(fn, name, request, vocab_size=vocab_size)
+    return score_rollout(
+        outputs,
+        request.records,
+        request.tokenizer,
+        reward_fn,
+        request.rollout,
+        engine=request.engine,
+    )
 
 
 def rollout_params(config: RolloutConfig, tokenizer, seed: int) -> SamplingParams:
@@ -84,22 +127,23 @@ def score_rollout(
     engine,
     prompt_indices: list[int] | None = None,
 ) -> RolloutResult:
-    """Reward generated samples (``n`` per record, prompt-major) into `TrainSample`s with group
-    advantages, and the rollout metrics (``engine``: asked for its aborted-sample count;
-    ``prompt_indices``: the records' dataset indices, kept in `TrainSample.prompt_index`)."""
+    """Reward generated samples (``n`` per record, prompt-major; engine `RolloutSample`s or a
+    rollout function's `RolloutOutput`s, whose loss masks and own rewards are kept) into
+    `TrainSample`s with group advantages, and the rollout metrics (``engine``: asked for its
+    aborted-sample count; ``prompt_indices``: the records' dataset indices, kept in
+    `TrainSample.prompt_index`)."""
     n = config.n_samples_per_prompt
-    responses = [_decode(tokenizer, s.response_ids_R.tolist()) for s in generated]
-    answers = [records[s.prompt_index].answer for s in generated]
-    scored = compute_rewards(reward_fn, responses, answers)
-    rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-    ok = ~torch.tensor(scored.failed, dtype=torch.bool)
+    outputs = [g if isinstance(g, RolloutOutput) else RolloutOutput(sample=g) for g in generated]
+    generated = [o.sample for o in outputs]
+    rewards, failed, errors = _rewards(outputs, records, tokenizer, reward_fn)
+    ok = ~failed
     advantages, zero_variance = scored_group_advantages(rewards, ok, n, config.advantage_estimator)
     in_loss = ok & ~(zero_variance & config.filter_zero_variance_groups)
     samples = [
         TrainSample(
             prompt_ids=s.prompt_ids_P.to(torch.int64),
             response_ids=s.response_ids_R.to(torch.int64),
-            rollout_logprobs=s.logprobs_R.to(torch.float32),
+            rollout_logprobs=_behaviour_logprobs(s.logprobs_R, o.loss_mask_R),
             advantage=float(advantages[i]),
             reward=float(rewards[i]),
             in_loss=bool(in_loss[i]),
@@ -108,8 +152,9 @@ def score_rollout(
             truncated=s.finish_reason == "length",
             weight_versions=tuple(s.weight_versions),  # per segment when it spans an update
             prompt_index=-1 if prompt_indices is None else prompt_indices[s.prompt_index],
+            response_mask=_partial_mask(o.loss_mask_R),
         )
-        for i, s in enumerate(generated)
+        for i, (o, s) in enumerate(zip(outputs, generated, strict=True))
     ]
     lengths = torch.tensor([float(s.response_ids_R.numel()) for s in generated])
     good = rewards[ok] if bool(ok.any()) else torch.zeros(1)  # no scored sample: zeros
@@ -117,7 +162,7 @@ def score_rollout(
         "reward/mean": float(good.mean()),
         "reward/std": float(good.std(unbiased=False)),
         "accuracy": float((good > 0.5).float().mean()),
-        "reward/failed_frac": scored.num_failed / len(generated),
+        "reward/failed_frac": int(failed.sum()) / len(generated),
         "rollout/learning_signal_frac": float((in_loss & (advantages != 0)).float().mean()),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
@@ -128,7 +173,7 @@ def score_rollout(
         # samples a server aborted (abort_all, a pause in abort mode) and generated again
         "rollout/aborted": float(engine.take_aborted()),
     }
-    first_error = next((e for e in scored.errors if e is not None), None)
+    first_error = next((e for e in errors if e is not None), None)
     return RolloutResult(samples, metrics, first_error)
 
 
@@ -158,6 +203,40 @@ def scored_group_advantages(
         advantages_B[kept] = group_adv
         zero_variance_B[rows] = bool(group_zero[0])
     return advantages_B, zero_variance_B
+
+
+def _rewards(outputs: list[RolloutOutput], records, tokenizer, reward_fn):
+    """``(rewards_B float32, failed_B bool, errors)``: a sample's own reward where its rollout
+    function gave one, else ``reward_fn`` on its decoded response (`compute_rewards`)."""
+    rewards = [o.reward for o in outputs]
+    errors: list[str | None] = [None] * len(outputs)
+    failed = [False] * len(outputs)
+    todo = [i for i, r in enumerate(rewards) if r is None]
+    if todo:
+        responses = [_decode(tokenizer, outputs[i].sample.response_ids_R.tolist()) for i in todo]
+        answers = [records[outputs[i].sample.prompt_index].answer for i in todo]
+        scored = compute_rewards(reward_fn, responses, answers)
+        for k, i in enumerate(todo):
+            rewards[i], failed[i], errors[i] = scored.rewards[k], scored.failed[k], scored.errors[k]
+    return (
+        torch.tensor(rewards, dtype=torch.float32),
+        torch.tensor(failed, dtype=torch.bool),
+        errors,
+    )
+
+
+def _behaviour_logprobs(logprobs_R: torch.Tensor, mask_R: torch.Tensor | None) -> torch.Tensor:
+    """float32 ``[R]``: the engine's log-probs of trained tokens, 0 on masked ones (a tool's
+    tokens, which the policy did not sample: never behaviour log-probs)."""
+    logprobs_R = logprobs_R.to(torch.float32)
+    if mask_R is None or bool(mask_R.all()):
+        return logprobs_R
+    return torch.where(mask_R, logprobs_R, torch.zeros_like(logprobs_R))
+
+
+def _partial_mask(mask_R: torch.Tensor | None) -> torch.Tensor | None:
+    """The response mask a `TrainSample` keeps: None when every token is trained."""
+    return None if mask_R is None or bool(mask_R.all()) else mask_R.clone()
 
 
 def _decode(tokenizer, ids: list[int]) -> str:

@@ -46,6 +46,8 @@ class Task:
     # held-out sets by name (`add_eval_sets`; empty without evaluation) and their reward
     eval_sets: dict[str, list] = field(default_factory=dict)
     eval_reward_fn: Callable[[str, str], float] | None = None
+    # the built-in task's own rollout function (`BuiltinTaskSpec.rollout_function`), or None
+    rollout_function: str | None = None
 
     def new_sampler(self) -> PromptSampler:
         """A prompt sampler at the start of epoch 0 over ``records``."""
@@ -96,6 +98,7 @@ def build_task(config: TaskConfig, evaluation: EvalConfig | None = None) -> Task
         hf_config=hf_config,
         checkpoint_dir=checkpoint_dir,
         seed=config.seed,
+        rollout_function=builtin_task_spec(config.task).rollout_function if builtin else None,
     )
     if evaluation is not None and evaluation.enabled:
         task = add_eval_sets(task, config, evaluation)

@@ -23,7 +23,8 @@ class TaskConfig:
         choices=BUILTIN_TASK_NAMES,
         help="the built-in task without --prompt-data: successor (the successor of a digit; "
         "default) or addition-trace (column-wise addition written out with its carries, "
-        "responses of 32-83 tokens: pass --max-response-length 83 or more); "
+        "responses of 32-83 tokens: pass --max-response-length 83 or more) or calculator "
+        "(multi-turn products with a calculator tool: pass --max-response-length 8 or more); "
         "megatron_rl/data/builtin_tasks.py",
     )
     prompt_key: str = option(
