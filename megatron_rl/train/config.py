@@ -32,7 +32,7 @@ from megatron_rl.runtime import RuntimeConfig
 from megatron_rl.train.checkpoint.config import CheckpointConfig
 from megatron_rl.train.eval_config import EvalConfig
 from megatron_rl.train.objective import ObjectiveConfig
-from megatron_rl.train.rollout_config import RolloutConfig
+from megatron_rl.train.rollouts.config import RolloutConfig
 from megatron_rl.train.run_logger import RunLoggerConfig
 from megatron_rl.train.schedule import ScheduleConfig
 from megatron_rl.train.task_config import TaskConfig

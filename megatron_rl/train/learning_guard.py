@@ -14,7 +14,7 @@ same decision without another collective:
   1% of samples right leaves 64 groups of 8 all without a signal with probability 0.6%).
 * **reward failures**: ``reward/failed_frac > max_failure_fraction``: the reward function raised,
   or returned NaN, inf or no number, on too many samples. Below the fraction the failed samples
-  only leave the loss (`megatron_rl.train.rollout_phase`).
+  only leave the loss (`megatron_rl.train.rollouts.phase`).
 
 After ``max_steps`` such steps in a row (no signal: and ``MIN_NO_SIGNAL_PROMPTS`` prompts) the
 guard is `exhausted`: the run saves and stops with `TrainingStopped` (``python -m

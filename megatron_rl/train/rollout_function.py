@@ -1,7 +1,7 @@
 """Custom rollout functions (``--rollout-function module:function``): the contract and its checks.
 
 A rollout function turns a batch of prompts into samples. The built-in single-turn rollout
-(`megatron_rl.train.rollout_phase.single_turn_rollout`, the flag's default) is one; a multi-turn
+(`megatron_rl.train.rollouts.phase.single_turn_rollout`, the flag's default) is one; a multi-turn
 tool-using one is another (`megatron_rl.train.tool_rollout.calculator_rollout`, what
 ``--task calculator`` selects). The contract::
 
@@ -43,7 +43,7 @@ import torch
 
 from megatron_rl.rollout.types import RolloutSample, SamplingParams
 
-DEFAULT_ROLLOUT_FUNCTION = "megatron_rl.train.rollout_phase:single_turn_rollout"
+DEFAULT_ROLLOUT_FUNCTION = "megatron_rl.train.rollouts.phase:single_turn_rollout"
 """The ``--rollout-function`` default: the built-in single-turn rollout (or, for a built-in
 ``--task`` that names its own, that task's function)."""
 

@@ -16,11 +16,11 @@ Stale-token mask (``--mask-stale-tokens``, ``K = --max-staleness``): a token wit
 (``slime/rollout/sglang_rollout.py``, ``generate_and_rm``), which zeroes the loss mask of every
 token a recycled partial sample generated before its abort, so that only the resuming policy's
 tokens train; here a token leaves only when it is more than ``K`` versions behind, whatever
-segment it is in. AReaL (``rollout.max_head_offpolicyness``) and `megatron_rl.train.async_rollout`
-bound staleness per sample; the mask acts per token, so a long sample whose head is too old keeps
-its fresh tail. The behaviour policy of a spanning sample is the engine's per-token log-probs
-(each token's own version), which is why ``--partial-rollout`` requires ``--behavior-logprobs
-rollout`` or a ``--rollout-correction``.
+segment it is in. AReaL (``rollout.max_head_offpolicyness``) and
+`megatron_rl.train.rollouts.async_rollout` bound staleness per sample; the mask acts per token, so a
+long sample whose head is too old keeps its fresh tail. The behaviour policy of a spanning sample is
+the engine's per-token log-probs (each token's own version), which is why ``--partial-rollout``
+requires ``--behavior-logprobs rollout`` or a ``--rollout-correction``.
 """
 
 from __future__ import annotations

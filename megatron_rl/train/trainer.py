@@ -54,8 +54,8 @@ from megatron_rl.train.old_logprob import old_logprob_pass
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.policy import build_policy, build_reference
 from megatron_rl.train.rank_topology import RankTopology
-from megatron_rl.train.rollout_dump import rollout_only_step
-from megatron_rl.train.rollout_manager import RolloutManager
+from megatron_rl.train.rollouts.dump import rollout_only_step
+from megatron_rl.train.rollouts.manager import RolloutManager
 from megatron_rl.train.sync_wait import SyncWait, remote_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
 from megatron_rl.train.weight_publisher import PolicyShard, build_weight_publisher
@@ -114,7 +114,7 @@ class Trainer:
             timeout_s=sync_timeout_s,
         )
         self.step_index = self.weight_version = 0
-        # prompts, generation schedule, refill, carry-over (train/rollout_manager.py)
+        # prompts, generation schedule, refill, carry-over (train/rollouts/manager.py)
         self.rollouts = RolloutManager(config, task, self.engine, self.ranks)
         # remote: the other ranks wait for rank 0's push (see train/sync_wait.py)
         self.sync_wait = SyncWait(sync_timeout_s) if remote else None
@@ -125,15 +125,15 @@ class Trainer:
     def step(self, should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
         """One RL step; returns this step's metrics (averaged over all ranks).
 
-        The rollout comes from ``self.rollouts`` (`megatron_rl.train.rollout_source`): generated
+        The rollout comes from ``self.rollouts`` (`megatron_rl.train.rollouts.source`): generated
         now, or with ``--async-rollout`` generated while the previous step trained, the next one
-        generating while this one trains (`megatron_rl.train.async_rollout`).
+        generating while this one trains (`megatron_rl.train.rollouts.async_rollout`).
         ``should_stop`` (a collective, e.g. `PreemptionHandler.agreed`) is asked after the rollout
         and before every update, so a stop signal is served within one update, not one step:
         after the rollout the step is abandoned (the prompts are drawn again after a resume) and
         None is returned; before an update the remaining updates are skipped and the step ends.
         """
-        if self.config.rollout.rollout_only:  # no update, no sync (train/rollout_dump.py)
+        if self.config.rollout.rollout_only:  # no update, no sync (train/rollouts/dump.py)
             return rollout_only_step(self)
         start = time.perf_counter()
         if self.colocation is not None:  # the trainer leaves the GPUs to the servers

@@ -497,12 +497,12 @@ def test_partial_rollouts_and_carried_groups_through_the_real_cli_and_server(ser
     assert all(r["carry_over/carried_groups"] == 4 for r in rows)
     assert all(r["rollout/aborted"] == 0 for r in rows)
     # measured: gap 9.7e-2 / 1.06e-1, agreement 0.593 / 0.606 (two runs), below the synchronous
-    # run's (< 0.05, > 0.9) because the engine's tokens and routes here are older than the
-    # trainer's weights: since the async schedule is fixed by the step (train/async_rollout.py),
-    # every batch is K = 2 versions behind in the steady state (before, a thread that picked its
-    # job up late made some batches fresher: gap 5.5e-2, agreement 0.84); log-probs or routes
-    # shifted by one token would be off by nats and agree on about top-k / experts = 2 / 8 of the
-    # choices, far below 0.45
+    # run's (< 0.05, > 0.9) because the engine's tokens and routes here are older than the trainer's
+    # weights: since the async schedule is fixed by the step (train/rollouts/async_rollout.py),
+    # every batch is K = 2 versions behind in the steady state (before, a thread that picked its job
+    # up late made some batches fresher: gap 5.5e-2, agreement 0.84); log-probs or routes shifted by
+    # one token would be off by nats and agree on about top-k / experts = 2 / 8 of the choices, far
+    # below 0.45
     assert gap < 0.15 and agreement > 0.45, (gap, agreement)
 
 

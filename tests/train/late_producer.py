@@ -67,7 +67,7 @@ def _late_condition(lock=None) -> LateWakingCondition:
 
 def install(monkeypatch=None) -> None:
     """Every `Producer` made from now on wakes late (undone by ``monkeypatch`` when given)."""
-    from megatron_rl.train.async_rollout import Producer
+    from megatron_rl.train.rollouts.async_rollout import Producer
 
     module = sys.modules[Producer.__module__]
     proxy = types.ModuleType("threading")

@@ -11,8 +11,8 @@ import pytest
 from trainer_testing import StepRecorder, killed_after, rendezvous, small_config
 
 from megatron_rl.data.sampler import PromptSampler
-from megatron_rl.train.async_rollout import Producer, overlap, staleness_metrics
 from megatron_rl.train.config import TrainConfig, parse_args
+from megatron_rl.train.rollouts.async_rollout import Producer, overlap, staleness_metrics
 from megatron_rl.train.run import run
 from megatron_rl.train.trainer import Trainer
 

@@ -23,8 +23,8 @@ import late_producer
 import pytest
 
 from megatron_rl.data.sampler import PromptSampler
-from megatron_rl.train.async_rollout import AsyncRollouts
-from megatron_rl.train.rollout_source import RolloutHooks
+from megatron_rl.train.rollouts.async_rollout import AsyncRollouts
+from megatron_rl.train.rollouts.source import RolloutHooks
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -14,8 +14,8 @@ from trainer_testing import StepRecorder, killed_after, rendezvous, small_config
 
 from megatron_rl.data.sampler import PromptSampler
 from megatron_rl.rollout import SamplingParams
-from megatron_rl.train.carry_over import CarryOver
 from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.rollouts.carry_over import CarryOver
 from megatron_rl.train.trainer import Trainer
 
 PROMPTS = {0: [5, 17, 33, 2], 1: [101, 7], 2: [9, 9, 250, 301, 44, 12], 3: [3, 8], 4: [77, 1, 9]}

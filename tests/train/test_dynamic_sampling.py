@@ -18,13 +18,13 @@ from trainer_testing import rendezvous, small_config
 
 from megatron_rl.data import PromptSampler
 from megatron_rl.train.batch import TrainSample
-from megatron_rl.train.dynamic_sampling import (
+from megatron_rl.train.rollouts.dynamic_sampling import (
     DynamicSampling,
     first_draw,
     merge_rollout_metrics,
     refill_draw,
 )
-from megatron_rl.train.rollout_source import RolloutBatch
+from megatron_rl.train.rollouts.source import RolloutBatch
 from megatron_rl.train.run import run
 from megatron_rl.train.trainer import Trainer
 

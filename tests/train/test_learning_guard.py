@@ -18,7 +18,7 @@ from megatron_rl.rollout import InProcessEngine
 from megatron_rl.train.__main__ import main
 from megatron_rl.train.advantages import group_advantages
 from megatron_rl.train.learning_guard import LearningGuard
-from megatron_rl.train.rollout_phase import RolloutConfig, run_rollout, scored_group_advantages
+from megatron_rl.train.rollouts.phase import RolloutConfig, run_rollout, scored_group_advantages
 from megatron_rl.train.run import TrainingStopped, run
 from megatron_rl.train.task import TaskConfig, load_policy_config
 

@@ -1,4 +1,4 @@
-"""Rollout dumps (`megatron_rl.train.rollout_dump`): the step files, their refusals, the flags'
+"""Rollout dumps (`megatron_rl.train.rollouts.dump`): the step files, their refusals, the flags'
 refusals, and the real CLI: a --load-rollouts run replays a --save-rollouts run bit for bit, and
 --rollout-only generates the live run's first batch without training."""
 
@@ -17,14 +17,14 @@ import torch
 from megatron_rl.routing import RoutingBlob
 from megatron_rl.train.batch import TrainSample
 from megatron_rl.train.config import parse_args
-from megatron_rl.train.rollout_dump import (
+from megatron_rl.train.rollouts.dump import (
     RolloutDump,
     dump_header,
     read_step,
     step_path,
     write_step,
 )
-from megatron_rl.train.rollout_source import RolloutBatch
+from megatron_rl.train.rollouts.source import RolloutBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 

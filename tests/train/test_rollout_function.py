@@ -17,7 +17,6 @@ from megatron_rl.data import BuiltinTaskConfig, builtin_task
 from megatron_rl.rewards import score_builtin_response
 from megatron_rl.rollout import InProcessEngine, RolloutSample
 from megatron_rl.train.batch import make_micro_batch
-from megatron_rl.train.rollout_config import RolloutConfig
 from megatron_rl.train.rollout_function import (
     DEFAULT_ROLLOUT_FUNCTION,
     RolloutFunctionError,
@@ -25,7 +24,8 @@ from megatron_rl.train.rollout_function import (
     RolloutRequest,
     resolve_rollout_function,
 )
-from megatron_rl.train.rollout_phase import (
+from megatron_rl.train.rollouts.config import RolloutConfig
+from megatron_rl.train.rollouts.phase import (
     rollout_params,
     run_rollout_function,
     score_rollout,
@@ -204,10 +204,10 @@ def test_r3_requires_routes_over_every_recomputed_position(task):
     ("name", "message"),
     [
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
-        ("megatron_rl.train.rollout_phase:nothing", "has no attribute 'nothing'"),
-        ("megatron_rl.train.rollout_phase", "write it as 'package.module:function'"),
+        ("megatron_rl.train.rollouts.phase:nothing", "has no attribute 'nothing'"),
+        ("megatron_rl.train.rollouts.phase", "write it as 'package.module:function'"),
         (
-            "megatron_rl.train.rollout_phase:run_rollout",
+            "megatron_rl.train.rollouts.phase:run_rollout",
             r"cannot be called as run_rollout\(request\)",
         ),
     ],
@@ -253,7 +253,7 @@ def test_the_documented_two_turn_example_runs_masking_the_feedback(task):
 def test_a_response_mask_survives_a_rollout_dump_round_trip(tmp_path, task):
     """``--save-rollouts`` keeps a sample's response mask (`TrainSample.response_mask`), so a
     ``--load-rollouts`` replay trains the same tokens."""
-    from megatron_rl.train.rollout_dump import sample_from_dict, sample_to_dict
+    from megatron_rl.train.rollouts.dump import sample_from_dict, sample_to_dict
 
     fn = _docs_example()
     sample = run_rollout_function(

@@ -26,7 +26,7 @@ USER_MODULE = '''
 import os
 import torch
 from megatron_rl.train.rollout_function import RolloutOutput
-from megatron_rl.train.rollout_phase import single_turn_rollout
+from megatron_rl.train.rollouts.phase import single_turn_rollout
 
 
 def same(request):

@@ -12,7 +12,7 @@ from megatron_rl.data import BuiltinTaskConfig, builtin_task
 from megatron_rl.rewards import score_builtin_response
 from megatron_rl.rollout import InProcessEngine
 from megatron_rl.train.advantages import group_advantages
-from megatron_rl.train.rollout_phase import RolloutConfig, run_rollout
+from megatron_rl.train.rollouts.phase import RolloutConfig, run_rollout
 from megatron_rl.train.task import TaskConfig, load_policy_config
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_rl.train.config import parse_args
-from megatron_rl.train.rollout_schedule import SCHEDULES, RolloutSchedule
+from megatron_rl.train.rollouts.schedule import SCHEDULES, RolloutSchedule
 
 SPANNING = ["--behavior-logprobs", "rollout"]
 

@@ -17,8 +17,8 @@ from trainer_testing import rendezvous, small_config
 from megatron_rl.rollout.types import RolloutSample
 from megatron_rl.train.batch import TrainSample, make_micro_batch
 from megatron_rl.train.config import parse_args
-from megatron_rl.train.rollout_config import RolloutConfig
-from megatron_rl.train.rollout_phase import run_rollout
+from megatron_rl.train.rollouts.config import RolloutConfig
+from megatron_rl.train.rollouts.phase import run_rollout
 from megatron_rl.train.token_versions import (
     NO_VERSION,
     check_version_spans,

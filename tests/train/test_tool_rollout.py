@@ -22,9 +22,9 @@ from megatron_rl.data.calculator_task import (
 from megatron_rl.rewards import score_builtin_response
 from megatron_rl.rollout import InProcessEngine
 from megatron_rl.train.batch import make_micro_batch
-from megatron_rl.train.rollout_config import RolloutConfig
 from megatron_rl.train.rollout_function import RolloutRequest
-from megatron_rl.train.rollout_phase import rollout_params, run_rollout_function
+from megatron_rl.train.rollouts.config import RolloutConfig
+from megatron_rl.train.rollouts.phase import rollout_params, run_rollout_function
 from megatron_rl.train.task import TaskConfig, load_policy_config
 from megatron_rl.train.tool_rollout import calculator_rollout
 

@@ -1,7 +1,7 @@
 """The generator rank's background generation thread of ``--async-rollout``.
 
 Batches are generated one at a time, in submission order. Which weights generate a batch must
-not depend on when this thread wakes up (`megatron_rl.train.async_rollout`): `hold`, called
+not depend on when this thread wakes up (`megatron_rl.train.rollouts.async_rollout`): `hold`, called
 before a weight sync, returns only once every batch submitted so far has been generated (or,
 with partial rollouts, started), so a batch is never left for after a sync it was submitted
 before; until `release` no batch may be submitted.

@@ -4,12 +4,12 @@ A schedule is three independent choices, named by the flag's values:
 
 - ``sync``: the batch is generated when the step asks for it (no sample is stale);
 - ``async``: the next batches are generated ahead, on a producer thread, while the trainer
-  trains (``--max-staleness`` K deep; `megatron_rl.train.async_rollout`);
+  trains (``--max-staleness`` K deep; `megatron_rl.train.rollouts.async_rollout`);
 - ``partial``: ``async``, and requests in flight at a weight sync are paused, not aborted, and
   finish under the new weights (each token records its version);
 - ``carry-over``: ``--carry-over-groups`` M more groups than the batch stay in flight and the
   unfinished ones go on at the next rollout (Kimi k1.5's partial rollouts;
-  `megatron_rl.train.carry_over`); it combines with either overlap: ``async+carry-over``,
+  `megatron_rl.train.rollouts.carry_over`); it combines with either overlap: ``async+carry-over``,
   ``partial+carry-over``.
 
 The flags from before the schedule existed are aliases: ``--async-rollout`` is ``async``,

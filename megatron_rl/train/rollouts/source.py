@@ -2,8 +2,8 @@
 
 `Trainer.step` has one body (rollout, stop check, train, sync, metrics) and asks a source for
 the rollout. `SyncRollouts` generates the batch when asked; `AsyncRollouts`
-(`megatron_rl.train.async_rollout`, ``--async-rollout``) hands over the batch it generated while
-the previous step trained and starts the next one. The step calls, in this order:
+(`megatron_rl.train.rollouts.async_rollout`, ``--async-rollout``) hands over the batch it generated
+while the previous step trained and starts the next one. The step calls, in this order:
 
     take(index, weight_version)    this step's batch (the stop check follows: on a stop the
                                    sampler goes back to ``batch.sampler_before``)

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 
 from megatron_rl.collectives import all_gather_objects
 from megatron_rl.train.batch import TrainSample
-from megatron_rl.train.rollout_source import Generated, RolloutBatch
+from megatron_rl.train.rollouts.source import Generated, RolloutBatch
 
 MIN_KEEP_RATE = 1 / 8  # a refill round never draws more than 8 (1 + ratio) x the deficit
 

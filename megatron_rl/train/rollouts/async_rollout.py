@@ -40,9 +40,10 @@ batch is in flight at which sync is not) and carries its per-segment versions
 time), and ``--mask-stale-tokens`` drops tokens more than K versions old from the loss
 (`megatron_rl.train.token_versions`). The staleness guard then looks at each sample's newest
 token. Without ``--carry-over-groups`` a batch is taken when all of its samples are done; with it,
-unfinished groups are carried to the next rollout (`megatron_rl.train.carry_over`), and a batch
-past the staleness bound is trained as it is (its carried groups exist once: generating it again
-would train them twice); ``--mask-stale-tokens`` then keeps its too-old tokens out of the loss.
+unfinished groups are carried to the next rollout (`megatron_rl.train.rollouts.carry_over`), and a
+batch past the staleness bound is trained as it is (its carried groups exist once: generating it
+again would train them twice); ``--mask-stale-tokens`` then keeps its too-old tokens out of the
+loss.
 
 Behaviour log-probs of stale samples: the policy that generated a sample is version ``v``; the
 old-logprob pass recomputes log-probs with the trainer's current weights (``v + 1``).
@@ -76,8 +77,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from megatron_rl.collectives import all_gather_objects
-from megatron_rl.train.producer import Producer
-from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks
+from megatron_rl.train.rollouts.producer import Producer
+from megatron_rl.train.rollouts.source import RolloutBatch, RolloutHooks
 
 __all__ = ["AsyncRollouts", "Producer", "generator_barrier", "overlap", "staleness_metrics"]
 

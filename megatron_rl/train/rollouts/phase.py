@@ -32,13 +32,13 @@ from megatron_rl.rewards import compute_rewards
 from megatron_rl.rollout import RolloutSample, SamplingParams
 from megatron_rl.train.advantages import group_advantages
 from megatron_rl.train.batch import TrainSample
-from megatron_rl.train.rollout_config import RolloutConfig
 from megatron_rl.train.rollout_function import (
     RolloutFunction,
     RolloutOutput,
     RolloutRequest,
     call_rollout_function,
 )
+from megatron_rl.train.rollouts.config import RolloutConfig
 
 
 @dataclass(slots=True)

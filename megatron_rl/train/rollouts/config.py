@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from megatron_rl.flags import bad_value, check_choice, check_positive_ints, option
 from megatron_rl.train.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.train.rollout_function import DEFAULT_ROLLOUT_FUNCTION
-from megatron_rl.train.rollout_schedule import SCHEDULES, RolloutSchedule
+from megatron_rl.train.rollouts.schedule import SCHEDULES, RolloutSchedule
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,7 +38,7 @@ class RolloutConfig:
         False,
         help="drop groups whose rewards are all equal and refill the batch with further prompts "
         "until it holds --rollout-batch-size groups with signal (DAPO's dynamic sampling; see "
-        "megatron_rl/train/dynamic_sampling.py)",
+        "megatron_rl/train/rollouts/dynamic_sampling.py)",
     )
     over_sampling_ratio: float = option(
         0.0,
@@ -63,13 +63,13 @@ class RolloutConfig:
         "trainer trains), partial (async, requests in flight at a sync pause and go on), "
         "carry-over (--carry-over-groups M unfinished groups go on at the next rollout), or "
         "async/partial+carry-over (default: what the alias flags below say, else sync; see "
-        "megatron_rl/train/rollout_schedule.py)",
+        "megatron_rl/train/rollouts/schedule.py)",
     )
     async_rollout: bool = option(
         False,
         help="alias of --rollout-schedule async; one-step-off-policy: generate rollout k+1 in "
         "the background while step k trains (samples are 1 weight version behind; see "
-        "megatron_rl/train/async_rollout.py)",
+        "megatron_rl/train/rollouts/async_rollout.py)",
     )
     max_staleness: int = option(
         1,
@@ -91,8 +91,8 @@ class RolloutConfig:
         "--rollout-batch-size stay in flight, generated in rounds of "
         "--carry-over-round-tokens; a step trains on the first finished groups and carries "
         "the others, unfinished samples going on at the next rollout (Kimi k1.5's partial "
-        "rollouts; see megatron_rl/train/carry_over.py); requires --behavior-logprobs rollout "
-        "or a --rollout-correction",
+        "rollouts; see megatron_rl/train/rollouts/carry_over.py); requires --behavior-logprobs "
+        "rollout or a --rollout-correction",
     )
     carry_over_round_tokens: int = option(
         0,
@@ -109,7 +109,7 @@ class RolloutConfig:
     save_rollouts: str | None = option(
         None,
         help="write each step's batch (samples, rewards, log-probs, routes, rollout metrics) "
-        "to DIR/step_<n>/rank_<dp rank>.pt (see megatron_rl/train/rollout_dump.py)",
+        "to DIR/step_<n>/rank_<dp rank>.pt (see megatron_rl/train/rollouts/dump.py)",
     )
     load_rollouts: str | None = option(
         None,

@@ -6,11 +6,11 @@ trained batch (slime's rollout manager plays the same part):
 - prompt drawing and its per-rank split (each data-parallel rank its consecutive share);
 - when the batch is generated: at the step (`SyncRollouts`), or ahead of it on a producer thread,
   K = ``--max-staleness`` batches deep, with partial rollouts paused at each sync
-  (`megatron_rl.train.async_rollout`);
+  (`megatron_rl.train.rollouts.async_rollout`);
 - ``--dynamic-sampling``: the over-sampled first draw and the refill rounds that replace groups
-  without signal (`megatron_rl.train.dynamic_sampling`);
+  without signal (`megatron_rl.train.rollouts.dynamic_sampling`);
 - ``--carry-over-groups``: the pool of unfinished groups that go on at the next rollout
-  (`megatron_rl.train.carry_over`);
+  (`megatron_rl.train.rollouts.carry_over`);
 - generation and scoring on the generator rank (the rollout's sampling seed, the rewards), and
   the samples shared with the other ranks of its model-parallel group;
 - the resumable part of all this (sampler position, carried groups) in checkpoints.
@@ -27,20 +27,20 @@ import logging
 from megatron_rl.collectives import all_gather_objects, broadcast_object
 from megatron_rl.moe_layers import num_routed_experts
 from megatron_rl.routing import RoutingCodec
-from megatron_rl.train.async_rollout import AsyncRollouts, generator_barrier
-from megatron_rl.train.carry_over import CarryOver
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.train.dynamic_sampling import DynamicSampling, first_draw
 from megatron_rl.train.rank_topology import RankTopology
-from megatron_rl.train.rollout_config import check_custom_schedule
-from megatron_rl.train.rollout_dump import build_rollout_dump
 from megatron_rl.train.rollout_function import (
     DEFAULT_ROLLOUT_FUNCTION,
     RolloutRequest,
     resolve_rollout_function,
 )
-from megatron_rl.train.rollout_phase import rollout_params, run_rollout_function, score_rollout
-from megatron_rl.train.rollout_source import RolloutBatch, RolloutHooks, SyncRollouts
+from megatron_rl.train.rollouts.async_rollout import AsyncRollouts, generator_barrier
+from megatron_rl.train.rollouts.carry_over import CarryOver
+from megatron_rl.train.rollouts.config import check_custom_schedule
+from megatron_rl.train.rollouts.dump import build_rollout_dump
+from megatron_rl.train.rollouts.dynamic_sampling import DynamicSampling, first_draw
+from megatron_rl.train.rollouts.phase import rollout_params, run_rollout_function, score_rollout
+from megatron_rl.train.rollouts.source import RolloutBatch, RolloutHooks, SyncRollouts
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class RolloutManager:
             logger.warning(
                 "--async-rollout with --behavior-logprobs trainer and no --rollout-correction: "
                 "the loss's ratio is taken against the current weights, not the policy that "
-                "generated the (one version old) samples; see megatron_rl/train/async_rollout.py"
+                "generated the (one version old) samples; see "
+                "megatron_rl/train/rollouts/async_rollout.py"
             )
         self.dump = build_rollout_dump(config, task, place)  # --save/--load-rollouts, or None
 
@@ -88,7 +89,7 @@ class RolloutManager:
         batch = self.source.take(index, weight_version)
         if self.dynamic_sampling is not None:  # drop groups without signal, refill the batch
             batch = self.dynamic_sampling.fill(batch)
-        if self.dump is not None:  # --save-rollouts (train/rollout_dump.py)
+        if self.dump is not None:  # --save-rollouts (train/rollouts/dump.py)
             self.dump.store(index, batch, self.reward_error)
         self.trained_prompts = batch.prompts
         if self.config.rollout.schedule.carry_over:  # the finished groups, not the drawn ones
@@ -170,7 +171,8 @@ class RolloutManager:
         )
 
     def _dynamic_sampling(self) -> DynamicSampling | None:
-        """The refill of ``--dynamic-sampling`` (`megatron_rl.train.dynamic_sampling`), or None."""
+        """The refill of ``--dynamic-sampling`` (`megatron_rl.train.rollouts.dynamic_sampling`), or
+        None."""
         rollout, place = self.config.rollout, self.place
         if not rollout.dynamic_sampling:
             return None

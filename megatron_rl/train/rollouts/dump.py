@@ -41,7 +41,7 @@ from megatron_rl.collectives import mean_over_ranks
 from megatron_rl.moe_layers import num_routed_experts
 from megatron_rl.routing import RoutingBlob
 from megatron_rl.train.batch import TrainSample
-from megatron_rl.train.rollout_source import RolloutBatch
+from megatron_rl.train.rollouts.source import RolloutBatch
 
 FORMAT = 1  # the layout of a step file; bumped when a field changes meaning
 # header fields a replay must match: the samples' token ids, routes and per-rank split
