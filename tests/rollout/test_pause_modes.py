@@ -259,6 +259,7 @@ def test_pauses_are_per_scope(reference):
     assert _ids(held.result()) == _ids(reference["one"])
 
 
+@pytest.mark.slow
 def test_update_weights_pauses_in_the_configured_mode_and_resumes(update, reference):
     engine = make_engine(seed=0, pause_mode="retract")
     pauser = PauseAt(

@@ -37,6 +37,7 @@ def _agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a == b).all(dim=-1).float().mean())
 
 
+@pytest.mark.slow
 def test_noise_flips_a_share_of_choices_that_grows_with_sigma_and_is_seeded():
     clean, _ = _routes_and_outputs(_engine(0.0))
     small, _ = _routes_and_outputs(_engine(0.01))

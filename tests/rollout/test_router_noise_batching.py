@@ -17,6 +17,7 @@ def _key(sample):
     return sample.response_ids_R.tolist(), sample.routes.data.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_sample_gets_the_same_tokens_and_routes_alone_and_in_any_chunking(dtype):
     engine = make_engine(router_noise=0.3, dtype=dtype)

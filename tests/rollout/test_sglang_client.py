@@ -56,6 +56,7 @@ def assert_same_samples(got, want):
             assert torch.equal(g.routes.data, w.routes.data)
 
 
+@pytest.mark.slow
 def test_http_client_returns_what_the_in_process_engine_returns(servers, shared_engine):
     (server,) = servers(1)
     with client_for([server]) as client:
@@ -334,6 +335,7 @@ def test_a_failed_batch_aborts_what_it_already_sent(servers):
 ROUTER_ROUTES = {"/generate", "/health", "/health_generate", "/flush_cache", "/get_model_info"}
 
 
+@pytest.mark.slow
 def test_generation_goes_through_the_router_and_control_calls_to_the_workers(servers):
     worker, router = servers(2)
     original = router.handle

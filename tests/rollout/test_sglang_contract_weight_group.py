@@ -96,6 +96,7 @@ def _sglang_server_rank(conn, port: int, world_size: int, group_name: str, bucke
         pytest.param(False, False, id="per_tensor"),  # the fast lane keeps one (3 s each)
     ],
 )
+@pytest.mark.slow
 def test_trainer_group_interoperates_with_sglangs_init_custom_process_group(
     monkeypatch, under_torchrun, flattened
 ):

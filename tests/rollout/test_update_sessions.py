@@ -40,6 +40,7 @@ def client_for(servers, transport: str, **config) -> SGLangEngine:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", SESSION_TRANSPORTS)
 def test_every_sync_is_begin_transfer_end(servers, transport):
     shared_engine = make_engine()

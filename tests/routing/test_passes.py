@@ -58,6 +58,7 @@ def test_off_runs_free_routing_and_reports_nothing(ws1):
     passes.close()
 
 
+@pytest.mark.slow
 def test_r2_records_in_the_behaviour_pass_and_replays_in_updates(ws1):
     config, model = tiny_moe()
     passes = _passes(model, config, mode="r2")
@@ -114,6 +115,7 @@ def test_a_driver_goes_with_every_mode_but_off():
         TokenLayout(tp_size=2, tp_rank=2)
 
 
+@pytest.mark.slow
 def test_r3_agreement_is_reported_per_phase_and_sample_routes_count_as_bytes(ws1):
     config, model = tiny_moe()
     seq = 10

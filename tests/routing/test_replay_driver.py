@@ -19,6 +19,7 @@ def _tokens(config, batch=2, seq=12, seed=0):
     return torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", [False, True])
 def test_r2_replay_reproduces_recorded_routing_after_heavy_router_perturbation(ws1, recompute):
     config, model = tiny_moe(recompute=recompute)
@@ -84,6 +85,7 @@ def test_replayed_routes_must_be_consumed(ws1):
     driver.close()
 
 
+@pytest.mark.slow
 def test_record_only_measures_agreement_without_changing_routing(ws1):
     config, model = tiny_moe()
     driver = make_driver(model, config, mode="r2", record_only=True)

@@ -120,6 +120,7 @@ def test_a_nan_step_time_stops_the_summary(tmp_path):
         bench.write_summary(runs, tmp_path / "summary.md", window=2)
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "accuracy_vs_time.png"

@@ -64,6 +64,7 @@ def test_karmarkar_karp_spread_bound_and_brute_force(weights, k):
     k=st.integers(min_value=1, max_value=3),
     groups=st.integers(min_value=0, max_value=3),
 )
+@pytest.mark.slow
 def test_karmarkar_karp_equal_size(data, k, groups):
     n = k * groups
     weights = data.draw(st.lists(st.integers(0, 1000), min_size=n, max_size=n))

@@ -132,6 +132,7 @@ def test_damage_to_the_latest_step_is_a_named_error_that_modifies_nothing(
     assert same_tensors(weights(model), before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fmt", "kind"), CASES)
 def test_damage_to_the_latest_step_with_load_fallback_loads_the_previous_step(
     tiny, pristine, tmp_path, fmt, kind

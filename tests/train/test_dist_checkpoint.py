@@ -58,6 +58,7 @@ def test_tp2_checkpoint_resumes_at_ep2_and_world_1(tmp_path):
     assert max_diff(ep2["after_without_exp_avg"], ep2["after"]) > 100 * ATOL
 
 
+@pytest.mark.slow
 def test_torch_dist_round_trip_and_format_detection(ws1, tmp_path):
     config, model, optimizer = build_tiny(seed=0)
     train_steps(model, optimizer, config.vocab_size, 1)

@@ -201,6 +201,7 @@ def _half_constant_reward(tmp_path, monkeypatch) -> str:
     return "half_constant_reward:reward"
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_on_full_batches_when_half_the_groups_have_zero_variance(
     tmp_path, monkeypatch
 ):

@@ -143,6 +143,7 @@ def _assert_same_logprobs(got, want, mbs, *, bitwise: bool):
             assert torch.equal(got[k][real], want[k][real]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("mode", ["off", "r3"])
 def test_merged_forwards_give_each_micro_batch_its_own_logprobs(ws1, mode, threads):
