@@ -24,13 +24,16 @@ Routes across turns (R3). Each ``generate`` returns routes for every position it
 the model: turn ``k``'s blob covers positions ``[0, S_k - 1)`` of its sequence. Positions fed in
 an earlier turn were routed there (a prefix-caching server never routes them again; the
 in-process engine recomputes them in the later prefill, and those recomputed routes shaped only
-the later turns' hidden states). The spliced routes take each position from the turn that
-first fed it: rows ``[c_{k-1}, c_k)`` from turn ``k``, ``c_k`` the positions turn ``k`` covers.
-So the previous turn's last model token and the tool's tokens (fed first by the next turn's
-prefill) get that prefill's routes, and the routes cover all ``P + R - 1`` positions the trainer
-recomputes. A tool token is not in the loss, but it is still routed: its hidden states feed the
-later tokens, so its routes are replayed like any other. Splicing slices the encoded rows, which
-the fixed-width codecs allow; ``--routing-dtype packed`` is refused (a RuntimeError).
+the later turns' hidden states). SGLang 0.5.23 still returns rows for the whole sequence: for a
+radix-cache hit, the routes it recorded when that KV was computed, equal to the earlier turn's
+(``tests/rollout/test_real_sglang_calculator.py``). The spliced routes take each position from
+the turn that first fed it: rows ``[c_{k-1}, c_k)`` from turn ``k``, ``c_k`` the positions turn
+``k`` covers. So the previous turn's last model token and the tool's tokens (fed first by the
+next turn's prefill) get that prefill's routes, and the routes cover all ``P + R - 1`` positions
+the trainer recomputes. A tool token is not in the loss, but it is still routed: its hidden
+states feed the later tokens, so its routes are replayed like any other. Splicing slices the
+encoded rows, which the fixed-width codecs allow; ``--routing-dtype packed`` is refused (a
+RuntimeError).
 """
 
 from __future__ import annotations

@@ -96,6 +96,16 @@ def task_hf_config(**overrides):
     return config
 
 
+def calculator_hf_config(max_response_length: int = 12):
+    """The trainer's ``--model tiny`` policy for ``--task calculator`` (its 19-symbol
+    vocabulary, padded to 24), as `megatron_rl.train.task.build_task` builds it for
+    ``--max-response-length max_response_length`` (8 or more)."""
+    from megatron_rl.train.task import TaskConfig, build_task
+
+    task = TaskConfig(model="tiny", task="calculator", max_response_length=max_response_length)
+    return build_task(task).hf_config
+
+
 def write_tiny_checkpoint(folder, config=None, *, seed: int = 0, **overrides) -> Path:
     """A random HF Qwen3-MoE checkpoint (``config.json`` + ``model.safetensors``, per-expert
     names) in ``folder``; no tokenizer (the server runs with ``--skip-tokenizer-init``).
