@@ -1,4 +1,4 @@
-"""Per-GPU memory of a Qwen3-MoE training layout, and whether it fits a given GPU.
+"""Per-GPU memory of a Qwen3-MoE, DeepSeek-V3 or GLM-4.5 training layout; does it fit a GPU.
 
     # the 32-GPU launcher's training half (examples/qwen3_moe): TP2+SP, EP8, DP8, bf16, full
     # recompute, one 2,048 + 16,384-token sample per micro-batch, R2 replay, KL reference on GPU
@@ -23,6 +23,11 @@
     # when the command's --model is a checkpoint folder this machine does not have
     python tools/memory_plan.py --model qwen3-235b-a22b --gpu-gib 80 -- \
         $(DRY_RUN=1 NODE_RANK=0 ... bash examples/qwen3_moe/run_qwen3_235b_a22b.sh | grep ^torchrun)
+
+    # DeepSeek-V3 (671B, MLA) on 128 training H200s of the 256-GPU launcher
+    # (examples/deepseek_v3/run_deepseek_v3.sh): TP8+SP PP8 (7/8x6/6) EP16 DP2
+    python tools/memory_plan.py --model deepseek-v3 --gpu-gib 141 -- \
+        $(DRY_RUN=1 NODE_RANK=0 ... bash examples/deepseek_v3/run_deepseek_v3.sh | grep ^torchrun)
 
     # the GPU smoke's slice (tools/gpu_smoke.py): Qwen3-30B-A3B's shape with 2 layers on one GPU,
     # local spec (unfused attention), no recompute, no reserve; the H200 measured 44.6 / 81.4 GiB

@@ -90,7 +90,8 @@ refuse_async_knobs() {
 }
 
 # The RL job's arguments, from the model file (MODEL_NAME, MODEL_ARGS, PARALLEL_ARGS, GPUS_PER_NODE,
-# SERVER_TP, SERVER_EP, SERVER_MEM_FRACTION, OPTIMIZER_OFFLOAD=always|opt-in, CKPT_FORMAT), the
+# SERVER_TP, SERVER_EP, SERVER_MEM_FRACTION, OPTIMIZER_OFFLOAD=always|opt-in, CKPT_FORMAT and
+# optionally SERVER_CKPT, the servers' checkpoint when it is not HF_CKPT), the
 # run script (TRAIN_NODES, ROLLOUT_HOSTS: the serving nodes, RUN_NAME; COLOCATE=1 with
 # NODE_HOSTS: every node trains and serves) and the environment above. Sets LOSS, REPLAY,
 # STALENESS, RUN_DIR, the launch variables (init_launch), TRAIN_CMD and SERVE_ARGS.
@@ -164,9 +165,10 @@ rl_job_args() {
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${rollout[@]}" "${rl[@]}"
     "${optim[@]}" "${data[@]}" "${output[@]}" "${ASYNC_ARGS[@]}" "${RECIPE_ARGS[@]}"
   )
-  # one SGLang server per node on all of its GPUs (megatron_rl.rollout.serve)
+  # one SGLang server per node on all of its GPUs (megatron_rl.rollout.serve), on SERVER_CKPT
+  # where the model file sets one (DeepSeek-V3: the block-FP8 release), else on HF_CKPT
   SERVE_ARGS=(
-    --model-path "${HF_CKPT}" --host 0.0.0.0 --base-port "${SGLANG_PORT}"
+    --model-path "${SERVER_CKPT:-${HF_CKPT}}" --host 0.0.0.0 --base-port "${SGLANG_PORT}"
     --num-servers 1 --tp-size "${SERVER_TP}" --ep-size "${SERVER_EP}"
     --mem-fraction-static "${SERVER_MEM_FRACTION}"
   )

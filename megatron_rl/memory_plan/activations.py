@@ -36,16 +36,14 @@ def layer_activation_bytes(
     """ESTIMATE: bytes one decoder layer keeps for backward for one micro-batch (no recompute).
 
     ``a`` = activation bytes (the param dtype), ``s`` = tokens per GPU in tensor-parallel regions
-    (micro-batch tokens / CP), ``t`` = tokens in sequence-parallel regions (``s / TP`` with SP),
-    ``q = heads * head_dim / TP``, ``kv = kv_heads * head_dim / TP``. No dropout, balanced routing
-    (times ``moe_imbalance``). Terms:
+    (micro-batch tokens / CP), ``t`` = tokens in sequence-parallel regions (``s / TP`` with SP).
+    No dropout, balanced routing (times ``moe_imbalance``). Terms:
 
     * norms: input and output of both RMSNorms, ``4 t h a`` (SP: the sharded input is kept);
-    * attention, the parts linear in ``s``: QKV output ``s (q + 2 kv) a``, q/k-norm outputs
-      ``s (q + kv) a``, the attention output ``s q a``, and what the attention kernel keeps of its
-      inputs: TE's fused kernel the rotated q, k and v ``s (q + 2 kv) a`` and fp32 log-sum-exp
-      ``4 s heads / TP``; the local spec's ``baddbmm`` / ``bmm`` the rotated q and the k and v that
-      ``repeat_interleave`` expanded to every query head, ``3 s q a``;
+    * attention, the parts linear in ``s`` (`attention_activation_bytes`; for Qwen3-MoE with
+      ``q = heads * head_dim / TP``, ``kv = kv_heads * head_dim / TP``: ``s (q + 2 kv) a`` QKV
+      output, ``s (q + kv) a`` q/k-norm outputs, ``s q a`` attention output, TE's kernel inputs
+      ``s (q + 2 kv) a + 4 s heads / TP`` or the local spec's ``3 s q a``);
     * attention probabilities (local spec only): `attention_bytes`'s ``saved``, the ``[s, s]``
       tensors per head;
     * MoE: fp32 router input, logits and probabilities ``4 t (h + 2 E)``; per routed
@@ -62,15 +60,9 @@ def layer_activation_bytes(
     a = options.param_bytes
     s, t = token_counts(layout, options.micro_batch_tokens)
     h = shape.hidden_size
-    q = shape.num_heads * shape.head_dim // tp
-    kv = shape.num_kv_heads * shape.head_dim // tp
-    if options.spec == "te":
-        kernel_inputs = s * (q + 2 * kv) * a + 4 * s * (shape.num_heads // tp)
-    else:
-        kernel_inputs = 3 * s * q * a
     terms = {
         "norms": 4 * t * h * a,
-        "attention": s * (q + 2 * kv) * a + s * (q + kv) * a + kernel_inputs + s * q * a,
+        "attention": attention_activation_bytes(shape, layout, options),
     }
     if options.spec == "local":
         terms["attention probabilities"] = attention_bytes(shape, layout, options).saved
@@ -84,6 +76,41 @@ def layer_activation_bytes(
     else:
         terms["mlp"] = 3 * s * shape.intermediate_size * a // tp
     return terms
+
+
+def attention_activation_bytes(shape: ModelShape, layout: Layout, options: PlanOptions) -> int:
+    """ESTIMATE: the attention's activations linear in ``s`` that one layer keeps for backward.
+
+    ``q``, ``k``, ``v`` = the query, key and value widths / TP (`ModelShape.q_width`, ...),
+    ``o`` = the attention output width / TP, ``n = heads / TP``.
+
+    * grouped-query attention: QKV output ``s (q + k + v) a``, q/k-norm outputs ``s (q + k) a``
+      (with qk-norm);
+    * multi-latent attention (DeepSeek-V3): the latents in sequence-parallel regions, q down
+      output and its RMSNorm ``2 t q_lora a``, kv down output ``t (kv_lora + rope) a`` and its
+      RMSNorm ``t kv_lora a``; the up projections' outputs ``s (q + n (nope + v_head)) a``;
+    * what the kernel keeps of its inputs: TE's fused kernel the rotated q, k and v
+      ``s (q + k + v) a`` and fp32 log-sum-exp ``4 s n``; the local spec's ``baddbmm`` / ``bmm``
+      q and the k and v that ``repeat_interleave`` expanded to every query head,
+      ``s (2 q + n v_head) a``;
+    * the attention output ``s o a``.
+    """
+    tp = layout.parallel.tensor_parallel
+    a = options.param_bytes
+    s, t = token_counts(layout, options.micro_batch_tokens)
+    n = shape.num_heads // tp
+    q, k, v = shape.q_width // tp, shape.k_width // tp, shape.v_width // tp
+    if shape.mla:
+        nope = shape.head_dim - shape.qk_rope_head_dim
+        latents = t * (2 * shape.q_lora_rank + 2 * shape.kv_lora_rank + shape.qk_rope_head_dim)
+        projected = latents * a + s * (q + n * (nope + shape.v_head_dim)) * a
+    else:
+        projected = s * (q + k + v) * a + (s * (q + k) * a if shape.qk_norm else 0)
+    if options.spec == "te":
+        kernel_inputs = s * (q + k + v) * a + 4 * s * n
+    else:
+        kernel_inputs = s * (2 * q + n * (shape.out_width // shape.num_heads)) * a
+    return projected + kernel_inputs + s * (shape.out_width // tp) * a
 
 
 # the parts of a layer still stored when the backward reaches its attention core
@@ -135,15 +162,14 @@ def attention_bytes(shape: ModelShape, layout: Layout, options: PlanOptions) -> 
     bf16, per head and sequence: 6 B s^2 kept per layer, 2 B s^2 persistent, 12 B s^2 at either
     peak of the last layer. TE spec (fused / flash attention): no ``[s, s]`` tensor; its fp32
     softmax statistics (``4 s heads / TP``) are in `layer_activation_bytes`, and its backward
-    allocates dq, dk and dv, ``s (q + 2 kv) a`` (the kernel's workspace left out).
+    allocates dq, dk and dv, ``s (q + k + v) a`` (the kernel's workspace left out).
     """
     p = layout.parallel
     a = options.param_bytes
     if options.spec == "te":
         s, _ = token_counts(layout, options.micro_batch_tokens)
-        q = shape.num_heads * shape.head_dim // p.tensor_parallel
-        kv = shape.num_kv_heads * shape.head_dim // p.tensor_parallel
-        return AttentionBytes(backward=s * (q + 2 * kv) * a)
+        qkv = shape.q_width + shape.k_width + shape.v_width
+        return AttentionBytes(backward=s * (qkv // p.tensor_parallel) * a)
     b = options.micro_batch_sequences
     s = options.micro_batch_tokens // b
     elements = b * (shape.num_heads // p.tensor_parallel) * s * s

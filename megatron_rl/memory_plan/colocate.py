@@ -92,7 +92,11 @@ class ServerOptions:
 
 def kv_bytes_per_token(shape, server: ServerOptions) -> int:
     """KV bytes one token takes on each GPU of a server: ``layers x 2 x max(1, kv_heads / TP) x
-    head_dim x dtype bytes``."""
+    head_dim x dtype bytes``; with multi-latent attention SGLang caches the compressed latent
+    and the rope key on every GPU, ``layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes``."""
+    if shape.mla:
+        latent = shape.kv_lora_rank + shape.qk_rope_head_dim
+        return shape.num_layers * latent * server.kv_dtype_bytes
     heads = max(1, shape.num_kv_heads // server.tp)
     return shape.num_layers * 2 * heads * shape.head_dim * server.kv_dtype_bytes
 

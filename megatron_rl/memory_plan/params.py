@@ -36,9 +36,14 @@ class StageParams:
         return self.dense + self.expert
 
 
-def stage_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTensor]:
+def stage_tensors(
+    shape: ModelShape, layout: Layout, stage: int, *, spec: str = "te"
+) -> list[ParamTensor]:
     """This GPU's parameter tensors of ``stage`` in megatron-core's ``named_parameters`` order
-    (local spec; the TE spec holds the same tensors, with the norms fused into the linears)."""
+    (local spec names; the TE spec holds the same tensors, with the norms fused into the
+    linears). ``spec`` matters for multi-latent attention only: TE's spec replicates the q / kv
+    down projections over TP (``TELinear``, duplicated), the local spec splits them
+    (``ColumnParallelLinear``)."""
     p = layout.parallel
     tp, ep, etp, pp = (
         p.tensor_parallel,
@@ -48,7 +53,7 @@ def stage_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTe
     )
     per_stage = layout.stage_layers(shape.num_layers)
     first = sum(per_stage[:stage])
-    h, d = shape.hidden_size, shape.head_dim
+    h = shape.hidden_size
     tied_split = shape.tied_embeddings and pp > 1
     out: list[ParamTensor] = []
     if stage == 0:
@@ -59,23 +64,12 @@ def stage_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTe
         )
     for offset, sparse in enumerate(shape.moe_pattern[first : first + per_stage[stage]]):
         prefix = f"decoder.layers.{offset}."
-        # norms are replicated; linear_qkv is column-parallel, linear_proj row-parallel
-        out += [
-            ParamTensor(prefix + "input_layernorm.weight", h),
-            ParamTensor(
-                prefix + "self_attention.linear_proj.weight", shape.num_heads * d * h // tp
-            ),
-            ParamTensor(prefix + "self_attention.linear_qkv.weight", shape.qkv_width * h // tp),
-        ]
-        if shape.attention_bias:
-            out.append(
-                ParamTensor(prefix + "self_attention.linear_qkv.bias", shape.qkv_width // tp)
-            )
-        out += [
-            ParamTensor(prefix + "self_attention.q_layernorm.weight", d),
-            ParamTensor(prefix + "self_attention.k_layernorm.weight", d),
-            ParamTensor(prefix + "pre_mlp_layernorm.weight", h),
-        ]
+        out.append(ParamTensor(prefix + "input_layernorm.weight", h))
+        if shape.mla:
+            out += _mla_tensors(shape, prefix + "self_attention.", tp, spec)
+        else:
+            out += _gqa_tensors(shape, prefix + "self_attention.", tp)
+        out.append(ParamTensor(prefix + "pre_mlp_layernorm.weight", h))
         if sparse:
             f = shape.moe_intermediate_size // etp
             out.append(ParamTensor(prefix + "mlp.router.weight", shape.num_experts * h))
@@ -87,8 +81,9 @@ def stage_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTe
                 ]
             if shape.shared_expert_size:  # gate replicated, fc1 / fc2 tensor-parallel
                 fs = shape.shared_expert_size // tp
+                if shape.shared_expert_gate:
+                    out.append(ParamTensor(prefix + "mlp.shared_experts.gate_weight", h))
                 out += [
-                    ParamTensor(prefix + "mlp.shared_experts.gate_weight", h),
                     ParamTensor(prefix + "mlp.shared_experts.linear_fc1.weight", 2 * fs * h),
                     ParamTensor(prefix + "mlp.shared_experts.linear_fc2.weight", h * fs),
                 ]
@@ -107,9 +102,41 @@ def stage_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[ParamTe
     return out
 
 
-def stage_params(shape: ModelShape, layout: Layout, stage: int) -> StageParams:
+def _gqa_tensors(shape: ModelShape, prefix: str, tp: int) -> list[ParamTensor]:
+    """Grouped-query attention: linear_proj (row-parallel), linear_qkv (column-parallel, + bias),
+    the per-head q / k RMSNorms (replicated)."""
+    h, d = shape.hidden_size, shape.head_dim
+    out = [
+        ParamTensor(prefix + "linear_proj.weight", shape.out_width * h // tp),
+        ParamTensor(prefix + "linear_qkv.weight", shape.qkv_width * h // tp),
+    ]
+    if shape.attention_bias:
+        out.append(ParamTensor(prefix + "linear_qkv.bias", shape.qkv_width // tp))
+    if shape.qk_norm:
+        out += [
+            ParamTensor(prefix + "q_layernorm.weight", d),
+            ParamTensor(prefix + "k_layernorm.weight", d),
+        ]
+    return out
+
+
+def _mla_tensors(shape: ModelShape, prefix: str, tp: int, spec: str) -> list[ParamTensor]:
+    """Multi-latent attention (`ModelShape.mla_tensors`): linear_proj, q down / up, kv down / up,
+    then the q and kv latent RMSNorms (replicated). The down projections are split over TP on
+    the local spec only."""
+    out = []
+    for name, (numel, by_heads) in shape.mla_tensors().items():
+        split = tp if by_heads or spec == "local" else 1
+        out.append(ParamTensor(f"{prefix}{name}.weight", numel // split))
+    if shape.q_lora_rank:
+        out.append(ParamTensor(prefix + "q_layernorm.weight", shape.q_lora_rank))
+    out.append(ParamTensor(prefix + "kv_layernorm.weight", shape.kv_lora_rank))
+    return out
+
+
+def stage_params(shape: ModelShape, layout: Layout, stage: int, *, spec: str = "te") -> StageParams:
     """Exact local parameter counts of a GPU of ``stage`` (megatron-core GPTModel layout)."""
-    tensors = stage_tensors(shape, layout, stage)
+    tensors = stage_tensors(shape, layout, stage, spec=spec)
     first = sum(layout.stage_layers(shape.num_layers)[:stage])
     layers = layout.stage_layers(shape.num_layers)[stage]
     return StageParams(
@@ -201,12 +228,17 @@ def megatron_buffer(
 
 
 def grad_buffers(
-    shape: ModelShape, layout: Layout, stage: int, *, distributed_optimizer: bool
+    shape: ModelShape,
+    layout: Layout,
+    stage: int,
+    *,
+    distributed_optimizer: bool,
+    spec: str = "te",
 ) -> list[GradBuffer]:
     """megatron DDP's buffers on a GPU of ``stage``: the dense one (over data x context
     parallel) and, when EP > 1, the expert one (over expert data parallel)."""
     p = layout.parallel
-    tensors = stage_tensors(shape, layout, stage)
+    tensors = stage_tensors(shape, layout, stage, spec=spec)
     dense_group = layout.data_parallel * p.context_parallel
     if p.expert_parallel == 1:  # experts then have allreduce=True: the dense buffer holds them
         return [megatron_buffer(tensors, dense_group, distributed_optimizer, False)]

@@ -158,9 +158,13 @@ def plan_memory(
         )
     stages = []
     for stage in range(layout.parallel.pipeline_parallel):
-        params = stage_params(shape, layout, stage)
+        params = stage_params(shape, layout, stage, spec=options.spec)
         buffers = grad_buffers(
-            shape, layout, stage, distributed_optimizer=options.distributed_optimizer
+            shape,
+            layout,
+            stage,
+            distributed_optimizer=options.distributed_optimizer,
+            spec=options.spec,
         )
         static, elements = static_terms(shape, layout, options, params, buffers)
         phases = stage_phases(shape, layout, options, params, buffers, elements)

@@ -131,6 +131,41 @@ _DEEPSEEK_PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# deepseek-ai/DeepSeek-V3's config.json shape (671B; the same numbers as transformers 5.24's
+# DeepseekV3Config defaults): 61 layers, the first 3 dense, MLA with q/kv LoRA ranks 1536 / 512,
+# 128 heads of nope 128 + rope 64 (values 128), 256 routed experts top-8 in 8 groups (best 4), one
+# shared expert. Two departures from the published file, both to fit what megatron_rl builds:
+# rope is the default (the release's YaRN scaling, factor 40 over 4,096 positions, is not mapped
+# yet; see megatron_rl.model.deepseek_v3) and the multi-token-prediction layer is not built.
+# max_position_embeddings is the release's 163,840. A config only: no weights.
+_DEEPSEEK_PRESETS["deepseek-v3"] = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    first_k_dense_replace=3,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=163840,
+    rms_norm_eps=1e-6,
+    rope_theta=10_000.0,
+    tie_word_embeddings=False,
+)
+
 # GLM-4.5-shaped (GQA with q/k/v biases, qk-norm and rope on the first half of each head, two
 # dense layers, then sigmoid-routed MoE layers with the score-correction bias, a shared expert
 # and, unlike GLM-4.5 itself (n_group=1), group-limited top-k: 16 experts in 4 groups, the best 2
@@ -163,6 +198,42 @@ _GLM_PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
     ),
 }
+
+# zai-org/GLM-4.5's config.json shape (355B): 92 layers, the first 3 dense, hidden 5120, 96 query
+# / 8 KV heads of 128 with q/k/v biases and qk-norm, rope on half of each head (theta 1e6), 160
+# routed experts top-8 without group limits (n_group 1), one shared expert, FFN 12,288 (dense) /
+# 1,536 (experts), vocabulary 151,552, rms_norm_eps 1e-5, routed_scaling_factor 2.5,
+# max_position_embeddings 131,072. Taken from the published config.json as the lead's brief
+# states it (this machine cannot reach the Hub); transformers 5.24's Glm4MoeConfig defaults agree
+# on vocabulary, heads, KV heads, partial rotary, eps and positions and are a smaller model
+# otherwise. The multi-token-prediction layer (num_nextn_predict_layers 1 in the release) is not
+# built. A config only: no weights.
+_GLM_PRESETS["glm-4.5"] = dict(
+    vocab_size=151552,
+    hidden_size=5120,
+    intermediate_size=12288,
+    moe_intermediate_size=1536,
+    num_hidden_layers=92,
+    first_k_dense_replace=3,
+    num_attention_heads=96,
+    num_key_value_heads=8,
+    head_dim=128,
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    use_qk_norm=True,
+    n_routed_experts=160,
+    num_experts_per_tok=8,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=0,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=False,
+)
 
 _CONFIG_CLASSES: dict[str, tuple[dict[str, dict[str, Any]], type]] = {
     **{name: (_PRESETS, Qwen3MoeConfig) for name in _PRESETS},
@@ -213,8 +284,9 @@ def hf_causal_lm_class(hf_config: HFConfig) -> type:
 def load_hf_config(config: HFConfig | str | os.PathLike) -> HFConfig:
     """Accept a config object, a ``config.json`` path or a checkpoint folder holding one.
 
-    The config's ``model_type`` picks the family (`FAMILIES`; a file without one is read as
-    Qwen3-MoE); any other raises ValueError listing the supported families.
+    The config's ``model_type`` picks the family (`FAMILIES`); a file without one is read by its
+    ``architectures`` entry, and as Qwen3-MoE when it has neither. Any other model type or
+    architecture raises ValueError listing the supported families.
     """
     if isinstance(config, Qwen3MoeConfig | DeepseekV3Config | Glm4MoeConfig):
         model_family(config)
@@ -224,10 +296,26 @@ def load_hf_config(config: HFConfig | str | os.PathLike) -> HFConfig:
         path = os.path.join(path, "config.json")
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
-    family = data.get("model_type") or "qwen3_moe"
+    family = data.get("model_type") or _family_of_architectures(path, data.get("architectures"))
     if family not in FAMILIES:
         raise ValueError(
             f"{path}: model_type={family!r} is not supported; supported model families: "
             f"{', '.join(FAMILIES)}"
         )
     return FAMILIES[family][0].from_dict(data)
+
+
+def _family_of_architectures(path: str, architectures: list[str] | None) -> str:
+    """The family a config.json without ``model_type`` names in ``architectures`` (Qwen3-MoE
+    when it names none); ValueError when it names only architectures of other families."""
+    by_architecture = {architecture: family for family, (_, architecture) in FAMILIES.items()}
+    for architecture in architectures or []:
+        if architecture in by_architecture:
+            return by_architecture[architecture]
+    if architectures:
+        supported = ", ".join(f"{family} ({arch})" for family, (_, arch) in FAMILIES.items())
+        raise ValueError(
+            f"{path}: architectures={architectures!r} (no model_type) is not supported; "
+            f"supported model families: {supported}"
+        )
+    return "qwen3_moe"

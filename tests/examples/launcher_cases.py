@@ -1,5 +1,5 @@
-"""The DRY_RUN cases of the Qwen3-MoE launchers whose output is pinned byte for byte in
-``tests/examples/dry_run/`` (one file per case: exit status, stdout, stderr).
+"""The DRY_RUN cases of the launchers (Qwen3-MoE, DeepSeek-V3, GLM-4.5) whose output is pinned
+byte for byte in ``tests/examples/dry_run/`` (one file per case: exit status, stdout, stderr).
 
 A case is a launcher (run script or SLURM entry), a node, and the environment variables the
 launchers read. Paths of this checkout and of the interpreter are written as ``<repo>`` and
@@ -27,6 +27,9 @@ EVAL_DATA = "aime24=/shared/aime24.jsonl aime25=/shared/aime25.jsonl"
 RUN_30B = "run_qwen3_30b_a3b.sh"
 RUN_235B = "run_qwen3_235b_a22b.sh"
 RUN_COLOCATED = "run_qwen3_30b_a3b_colocated.sh"
+# the other families' launchers, relative to EXAMPLES (they reuse its common.sh and nodes.sh)
+RUN_DEEPSEEK = "../deepseek_v3/run_deepseek_v3.sh"
+RUN_GLM = "../glm4_moe/run_glm_4_5.sh"
 HOSTS = {
     RUN_30B: {"MASTER_ADDR": "node0", "ROLLOUT_HOSTS": "node2 node3"},
     RUN_235B: {"MASTER_ADDR": "node0", "ROLLOUT_HOSTS": "node4 node5 node6 node7"},
@@ -36,7 +39,10 @@ CKPT = {
     RUN_30B: "/shared/Qwen3-30B-A3B",
     RUN_235B: "/shared/Qwen3-235B-A22B",
     RUN_COLOCATED: "/shared/Qwen3-30B-A3B",
+    RUN_DEEPSEEK: "/shared/DeepSeek-V3-bf16",
+    RUN_GLM: "/shared/GLM-4.5",
 }
+DEEPSEEK_FP8 = {"SERVE_CKPT": "/shared/DeepSeek-V3"}
 ASYNC_KNOBS = {
     "ASYNC": "2",
     "PARTIAL": "1",
@@ -57,6 +63,13 @@ EVERY_KNOB = {
 
 
 def _run(script: str, rank: int, **env: str) -> tuple[str, str, int, dict]:
+    return (script, "run", rank, env)
+
+
+def _job(script: str, train_nodes: int, rank: int, **env: str) -> tuple[str, str, int, dict]:
+    """A DeepSeek-V3 / GLM-4.5 job of ``train_nodes`` training and as many serving nodes."""
+    hosts = " ".join(f"node{train_nodes + i}" for i in range(train_nodes))
+    env = {"MASTER_ADDR": "node0", "ROLLOUT_HOSTS": hosts, "TRAIN_NODES": str(train_nodes), **env}
     return (script, "run", rank, env)
 
 
@@ -132,6 +145,24 @@ CASES: dict[str, tuple[str, str, int, dict]] = {
     "colocated_node4_refused": _run(RUN_COLOCATED, 4),
     "colocated_arm_refused": _run(RUN_COLOCATED, 0, ARM="ctpo"),
     "colocated_mask_stale_refused": _run(RUN_COLOCATED, 0, MASK_STALE="1"),
+    # --------------------------------------------------------------- DeepSeek-V3, GLM-4.5
+    "deepseek_v3_256_node0": _job(RUN_DEEPSEEK, 16, 0, **DEEPSEEK_FP8),
+    "deepseek_v3_256_node16_r3": _job(RUN_DEEPSEEK, 16, 16, REPLAY="r3", **DEEPSEEK_FP8),
+    "deepseek_v3_128_node0_epic_r2": _job(
+        RUN_DEEPSEEK, 8, 0, LOSS="epic", REPLAY="r2", **DEEPSEEK_FP8
+    ),
+    "deepseek_v3_128_node7_async": _job(RUN_DEEPSEEK, 8, 7, **ASYNC_KNOBS, **DEEPSEEK_FP8),
+    "deepseek_v3_128_node8": _job(RUN_DEEPSEEK, 8, 8, **DEEPSEEK_FP8),
+    "deepseek_v3_without_serve_ckpt": _job(RUN_DEEPSEEK, 8, 0),
+    "deepseek_v3_train_nodes_refused": _job(RUN_DEEPSEEK, 4, 0, **DEEPSEEK_FP8),
+    "glm_4_5_128_node0": _job(RUN_GLM, 8, 0),
+    "glm_4_5_128_node8_r3": _job(RUN_GLM, 8, 8, REPLAY="r3"),
+    "glm_4_5_64_node0_epic_r2": _job(RUN_GLM, 4, 0, LOSS="epic", REPLAY="r2"),
+    "glm_4_5_64_node3_recipe_epic_ctpo": _job(
+        RUN_GLM, 4, 3, RECIPE="epic-paper", ARM="ctpo", EVAL_DATA=EVAL_DATA
+    ),
+    "glm_4_5_64_node4": _job(RUN_GLM, 4, 4),
+    "glm_4_5_train_nodes_refused": _job(RUN_GLM, 2, 0),
     # --------------------------------------------------------------- SLURM entries
     "slurm_30b": ("slurm_qwen3_30b_a3b.sbatch", "slurm", 4, {"REPLAY": "r3", "LOSS": "epic"}),
     "slurm_30b_wrong_allocation": ("slurm_qwen3_30b_a3b.sbatch", "slurm", 3, {}),
@@ -150,6 +181,7 @@ def _environment(script: str, **env: str) -> dict:
     interpreter's folder first on PATH, and a fixed host name."""
     base = {k: v for k, v in os.environ.items() if k not in CLEARED and not k.startswith("SLURM_")}
     launcher_knobs = {*ASYNC_KNOBS, *EVERY_KNOB, "LOSS", "REPLAY", "STALENESS", "KL_COEF"}
+    launcher_knobs |= {"TRAIN_NODES", "SERVE_CKPT"}
     base = {k: v for k, v in base.items() if k not in launcher_knobs}
     ckpt = CKPT.get(script, CKPT[RUN_30B])
     return {
@@ -192,7 +224,7 @@ def run_case(name: str) -> str:
         with tempfile.TemporaryDirectory() as tmp:
             result = _slurm(script, number, env, Path(tmp))
     else:
-        variables = {**HOSTS[script], "NODE_RANK": str(number), **env}
+        variables = {**HOSTS.get(script, {}), "NODE_RANK": str(number), **env}
         environment = _environment(script, **variables)
         result = subprocess.run(
             ["bash", str(EXAMPLES / script)], cwd=ROOT, env=environment, capture_output=True,

@@ -8,8 +8,15 @@ from __future__ import annotations
 import pytest
 from launcher_cases import CASES, fixture, run_case
 
-# the fast lane keeps one node of each launcher and one SLURM entry; the full suite runs all 58
-FAST = {"30b_node0", "235b_node0", "colocated_node0", "slurm_30b"}
+# the fast lane keeps one node of each launcher and one SLURM entry; the full suite runs them all
+FAST = {
+    "30b_node0",
+    "235b_node0",
+    "colocated_node0",
+    "slurm_30b",
+    "deepseek_v3_128_node0_epic_r2",
+    "glm_4_5_64_node0_epic_r2",
+}
 
 
 @pytest.mark.parametrize(

@@ -133,3 +133,57 @@ def test_a_command_the_trainer_refuses_is_refused(capsys):
     flags = ["--max-prompt-length", "8", "--global-batch-size", "7"]  # not a multiple of 32
     assert load_tool().main(["--model", "tiny", "--", *flags]) == 2
     assert "--global-batch-size" in capsys.readouterr().err
+
+
+# the DeepSeek-V3 and GLM-4.5 launchers: (run script, preset, TRAIN_NODES, own flags, offloaded)
+LARGE_LAUNCHERS = {
+    "deepseek-v3-256": (
+        "../deepseek_v3/run_deepseek_v3.sh", "deepseek-v3", 16,
+        "--tp 8 --pp 8 --ep 16 --world-size 128 --pipeline-layers 7,8,8,8,8,8,8,6", False,
+    ),
+    "deepseek-v3-128": (
+        "../deepseek_v3/run_deepseek_v3.sh", "deepseek-v3", 8,
+        "--tp 8 --pp 8 --ep 8 --world-size 64 --pipeline-layers 7,8,8,8,8,8,8,6", True,
+    ),
+    "glm-4.5-128": (
+        "../glm4_moe/run_glm_4_5.sh", "glm-4.5", 8, "--tp 8 --pp 4 --ep 16 --world-size 64", False,
+    ),
+    "glm-4.5-64": (
+        "../glm4_moe/run_glm_4_5.sh", "glm-4.5", 4, "--tp 8 --pp 4 --ep 8 --world-size 32", True,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(LARGE_LAUNCHERS))
+def test_the_large_family_launchers_commands_fit_h200_and_plan_as_the_tools_own_flags(capsys, case):
+    """The fullest arm (KL reference on the GPU, R2 recordings of all 512 samples) of each
+    DeepSeek-V3 / GLM-4.5 layout fits a 141-GiB H200; the layouts that keep the Adam state in host
+    memory do not fit without it. Routing state: uint8 routes (256 / 160 experts fit a byte) of
+    the MoE layers only, the EPIC paper's M = N T L_MoE K b per rank."""
+    script, model, nodes, layout, offloaded = LARGE_LAUNCHERS[case]
+    hosts = " ".join(f"node{nodes + i}" for i in range(nodes))
+    torchrun = _launcher_torchrun(
+        script, MASTER_ADDR="node0", ROLLOUT_HOSTS=hosts, TRAIN_NODES=str(nodes),
+        SERVE_CKPT="/shared/fp8", LOSS="epic", REPLAY="r2",
+    )  # fmt: skip
+    plan = _plan(capsys, ["--model", model, "--gpu-gib", "141", "--", *torchrun])
+    own = f"--model {model} {layout} --sp --micro-batch-tokens 18432 --routing-replay r2 "
+    own += "--routing-responses 512 --routing-response-tokens 18432 --reference gpu "
+    own += "--gpu-gib 141 --sync-staging-buffers 2"
+    own += " --optimizer-offload-fraction 1" if offloaded else ""
+    assert plan == _plan(capsys, own.split())
+    assert plan["fits"], plan["total_gib"]
+    first_k_dense = 3
+    moe_layers = [stage["moe_layers"] for stage in plan["stages"]]
+    assert sum(moe_layers) == plan["model"]["num_layers"] - first_k_dense
+    dp, tp = plan["layout"]["data_parallel"], plan["layout"]["tensor_parallel"]
+    tokens = 512 * 18432 // (dp * tp)  # this rank's share of N T (SP splits it over TP)
+    for stage, count in zip(plan["stages"], moe_layers, strict=True):
+        (term,) = [t for t in stage["terms"] if t["name"] == "routing state"]
+        assert term["bytes"] == tokens * count * 8 * 1  # K = 8 routes of b = 1 byte (uint8)
+        assert "uint8" in term["note"]
+    if offloaded:  # the offload is what makes it fit
+        at = torchrun.index("--optimizer-cpu-offload")
+        no_offload = torchrun[:at] + torchrun[at + 3 :]
+        without = _plan(capsys, ["--model", model, "--gpu-gib", "141", "--", *no_offload])
+        assert not without["fits"], without["total_gib"]

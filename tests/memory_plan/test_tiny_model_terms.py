@@ -34,6 +34,19 @@ TINY_CASES = {
         True,
         {"shared_expert_intermediate_size": 48, "attention_bias": True},
     ),
+    # multi-latent attention (q / kv down and up projections, latent norms), an ungated shared
+    # expert, the first layer dense, the router's expert_bias a buffer (not a parameter)
+    "tiny-deepseek-bf16-distopt": ("tiny-deepseek", "bfloat16", True, {}),
+    "tiny-deepseek-fp32": ("tiny-deepseek", "float32", False, {}),
+    "tiny-deepseek-no-q-lora-bf16-distopt": (
+        "tiny-deepseek",
+        "bfloat16",
+        True,
+        {"q_lora_rank": None},
+    ),
+    # GQA with q/k/v biases and qk-norm, two dense layers, an ungated shared expert
+    "tiny-glm-bf16-distopt": ("tiny-glm", "bfloat16", True, {}),
+    "tiny-glm-no-qk-norm-fp32": ("tiny-glm", "float32", False, {"use_qk_norm": False}),
 }
 
 
@@ -155,9 +168,9 @@ def test_distributed_optimizer_shards_follow_megatron_padding():
     assert buffer.buckets == ((0, 128), (128, 256))
 
 
-def _sharding_worker(rank, world_size, init_method, tmp_dir, parallel_kwargs) -> None:
-    """One rank: the tiny bf16 model, megatron's distributed optimizer, one step; saves what this
-    rank holds (parameter, buffer and Adam-state bytes)."""
+def _sharding_worker(rank, world_size, init_method, tmp_dir, parallel_kwargs, name) -> None:
+    """One rank: preset ``name`` in bf16, megatron's distributed optimizer, one step; saves what
+    this rank holds (parameter, buffer and Adam-state bytes)."""
     from megatron_rl.backend import ParallelConfig, init_distributed
     from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer
     from megatron_rl.model import causal_lm_logits
@@ -169,7 +182,7 @@ def _sharding_worker(rank, world_size, init_method, tmp_dir, parallel_kwargs) ->
         init_method=init_method,
         device="cpu",
     )
-    config, model = tiny_model("tiny", "bfloat16", True)
+    config, model = tiny_model(name, "bfloat16", True)
     optimizer = build_optimizer(model, OptimizerConfig(lr=1e-3, clip_grad=0.0))
     tokens_BT = torch.randint(
         0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0)
@@ -195,18 +208,26 @@ def _sharding_worker(rank, world_size, init_method, tmp_dir, parallel_kwargs) ->
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "parallel",
-    [{}, {"expert_parallel": 2}, {"tensor_parallel": 2, "sequence_parallel": True}],
-    ids=["dp2", "ep2-dp2", "tp2-sp"],
+    ("name", "parallel"),
+    [
+        ("tiny", {}),
+        ("tiny", {"expert_parallel": 2}),
+        ("tiny", {"tensor_parallel": 2, "sequence_parallel": True}),
+        # MLA at TP 2: the local spec splits the q / kv down projections (TE's would not)
+        ("tiny-deepseek", {"tensor_parallel": 2, "sequence_parallel": True}),
+        ("tiny-glm", {"tensor_parallel": 2, "sequence_parallel": True}),
+    ],
+    ids=["dp2", "ep2-dp2", "tp2-sp", "deepseek-tp2-sp", "glm-tp2-sp"],
 )
-def test_two_ranks_match_the_plan_per_rank(tmp_path, parallel):
+def test_two_ranks_match_the_plan_per_rank(tmp_path, name, parallel):
     from qwen3_moe_testing import spawn_ranks
 
-    spawn_ranks(_sharding_worker, tmp_path, 2, parallel)
+    spawn_ranks(_sharding_worker, tmp_path, 2, parallel, name)
     results = [torch.load(tmp_path / f"result{rank}.pt") for rank in range(2)]
-    config = load_model_config("tiny")
+    config = load_model_config(name)
     layout = make_layout(2, **parallel)
-    stage = plan_memory(config, layout, PlanOptions(params_dtype="bfloat16")).stages[0]
+    options = PlanOptions(params_dtype="bfloat16", spec="local")  # the spec tiny_model builds
+    stage = plan_memory(config, layout, options).stages[0]
     padding = stage.term("parameter buffer padding").nbytes // 2
     for result in results:
         assert (result["dense"], result["expert"]) == (stage.params.dense, stage.params.expert)
