@@ -38,7 +38,11 @@ from megatron_rl.backend.without_te import define_missing_te_symbols
 from megatron_rl.model.config import ModelOptions, rope_theta, to_transformer_config
 from megatron_rl.model.glm4_moe import rotary_percent
 from megatron_rl.model.grouped_experts import TorchGroupedMLP
-from megatron_rl.model.mla_attention import MLADotProductAttention, without_te_mla
+from megatron_rl.model.mla_attention import (
+    MLADotProductAttention,
+    shard_mla_kv_down_proj_grads,
+    without_te_mla,
+)
 from megatron_rl.model.presets import load_hf_config, model_family
 from megatron_rl.moe_layers import num_routed_experts
 
@@ -135,6 +139,8 @@ def build_model(
         # GLM-4.5 rotates the first part of each head only (see megatron_rl.model.glm4_moe)
         rotary_percent=rotary_percent(hf_config) if model_family(hf_config) == "glm4_moe" else 1.0,
     )
+    if config.multi_latent_attention:
+        shard_mla_kv_down_proj_grads(model)  # k_rope's gradient under TP (see mla_attention)
     device = compute_device()
     if device.type == "cuda":
         model.cuda(device)

@@ -87,6 +87,8 @@ def deepseek_v3_fields(hf_config: DeepseekV3Config) -> dict[str, Any]:
         num_moe_experts=cfg.n_routed_experts,
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_router_score_function="sigmoid",
+        # aux-loss-free balancing: expert_bias (e_score_correction_bias) moves by 1e-3 a step
+        # from the counts of the routes used, the replayed ones under R2/R3 (docs/model.md)
         moe_router_enable_expert_bias=True,
         moe_router_num_groups=groups if groups > 1 else None,
         moe_router_group_topk=cfg.topk_group if groups > 1 else None,
