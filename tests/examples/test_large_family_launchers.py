@@ -77,6 +77,7 @@ def _megatron_config(preset: str, config, monkeypatch):
     return to_transformer_config(preset_config(preset), config.model, use_te=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(LAYOUTS), ids=IDS)
 @pytest.mark.parametrize(("loss", "replay"), [("vespo", "off"), ("epic", "r2"), ("grpo", "r3")])
 def test_every_training_node_passes_the_trainer_and_megatron_checks(key, loss, replay, monkeypatch):
@@ -114,6 +115,7 @@ def test_every_training_node_passes_the_trainer_and_megatron_checks(key, loss, r
     assert megatron.num_moe_experts == (256 if preset == "deepseek-v3" else 160)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(LAYOUTS), ids=IDS)
 def test_every_serving_node_starts_one_sglang_server_on_the_serving_checkpoint(key):
     script, preset, nodes = key

@@ -419,6 +419,7 @@ def test_235b_node_rank_out_of_range_is_refused():
     assert result.returncode == 1 and "NODE_RANK=8: must be 0..7" in result.stderr
 
 
+@pytest.mark.slow
 def test_235b_slurm_entry_derives_every_node_role_from_slurm(tmp_path):
     hosts = [f"gpu{i:02d}" for i in range(1, 9)]
     result = _slurm_dry_run(tmp_path, hosts, SBATCH_235B, **_env_235b(REPLAY="r3", LOSS="epic"))

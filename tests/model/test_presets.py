@@ -71,6 +71,7 @@ def test_a_config_without_model_type_is_read_by_its_architectures(tmp_path):
     assert isinstance(load_hf_config(bare), Qwen3MoeConfig)
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_an_unsupported_hf_folder_by_name_and_writes_nothing(tmp_path):
     folder = _folder(tmp_path, model_type="mixtral", architectures=["MixtralForCausalLM"])
     run_dir = tmp_path / "run"

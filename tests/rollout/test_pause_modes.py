@@ -159,6 +159,7 @@ def test_a_retracted_generation_without_an_update_recomputes_the_same_cache(refe
     torch.testing.assert_close(sample.logprobs_R, want.logprobs_R, atol=LOGPROB_ATOL, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_an_update_during_a_pause_splits_the_versions_at_the_pause(mode, update, reference):
     """The tokens before the pause are the unpaused ones; after it ``retract`` scores with the
@@ -195,6 +196,7 @@ def test_an_update_during_a_pause_splits_the_versions_at_the_pause(mode, update,
         assert torch.equal(routes[: len(PROMPT)], old_routes)
 
 
+@pytest.mark.slow
 def test_a_row_that_finished_before_the_update_keeps_one_version(update, reference):
     stop = _ids(reference["batch"][0])[1]  # row 0 ends at its second token
     params = dataclasses.replace(PARAMS, stop_token_ids=(stop,))

@@ -50,6 +50,7 @@ def test_noise_flips_a_share_of_choices_that_grows_with_sigma_and_is_seeded():
     assert not torch.equal(large, other)
 
 
+@pytest.mark.slow
 def test_the_router_returns_clean_logits_and_normalised_weights_of_its_noisy_choice():
     _, clean = _routes_and_outputs(_engine(0.0))
     _, noisy = _routes_and_outputs(_engine(0.3))

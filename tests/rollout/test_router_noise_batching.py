@@ -35,6 +35,7 @@ def test_a_sample_gets_the_same_tokens_and_routes_alone_and_in_any_chunking(dtyp
     assert [s.routes.data.tolist() for s in clean] != [s.routes.data.tolist() for s in batch]
 
 
+@pytest.mark.slow
 def test_noise_seed_changes_the_routes_of_the_same_samples():
     first, other = (
         make_engine(router_noise=0.3, router_noise_seed=seed).generate(

@@ -144,6 +144,7 @@ def test_damage_to_the_latest_step_with_load_fallback_loads_the_previous_step(
     assert same_tensors(weights(model), step1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("fmt", "kind"), [c for c in CASES if "flipped_byte" not in c.id])
 def test_damage_seen_without_reading_tensors_stops_resolve_load_before_the_model_is_built(
     pristine, tmp_path, fmt, kind
