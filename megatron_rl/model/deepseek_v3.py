@@ -50,6 +50,12 @@ def check_deepseek_v3(hf_config: DeepseekV3Config) -> None:
         )
     if getattr(cfg, "attention_bias", False):
         raise ValueError("attention_bias=True is not supported: megatron's MLA has no q/kv biases")
+    check_sigmoid_router(cfg)
+
+
+def check_sigmoid_router(cfg) -> None:
+    """ValueError naming the field for what megatron's sigmoid router (DeepSeek-V3's, shared by
+    GLM-4.5) cannot compute as HF does: unnormalised top-k weights, groups HF scores otherwise."""
     if not cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
         raise ValueError(
             "norm_topk_prob=False is not supported: megatron's sigmoid router always normalises "
@@ -73,7 +79,6 @@ def deepseek_v3_fields(hf_config: DeepseekV3Config) -> dict[str, Any]:
     """The `MLATransformerConfig` keyword arguments that state the DeepSeek-V3 architecture."""
     check_deepseek_v3(hf_config)
     cfg = hf_config
-    groups = int(cfg.n_group or 1)
     return dict(
         num_query_groups=cfg.num_attention_heads,
         qk_layernorm=True,  # q_a_layernorm, kv_a_layernorm
@@ -84,6 +89,15 @@ def deepseek_v3_fields(hf_config: DeepseekV3Config) -> dict[str, Any]:
         v_head_dim=cfg.v_head_dim,
         rope_type="rope",
         rotary_base=float(cfg.rope_parameters["rope_theta"]),
+        **sigmoid_router_fields(cfg),
+    )
+
+
+def sigmoid_router_fields(cfg) -> dict[str, Any]:
+    """`TransformerConfig` keyword arguments of the sigmoid, group-limited router and the
+    shared experts (DeepSeek-V3's; GLM-4.5 has the same MoE block)."""
+    groups = int(cfg.n_group or 1)
+    return dict(
         num_moe_experts=cfg.n_routed_experts,
         moe_ffn_hidden_size=cfg.moe_intermediate_size,
         moe_router_score_function="sigmoid",

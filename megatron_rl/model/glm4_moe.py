@@ -27,7 +27,7 @@ from typing import Any
 
 from transformers import Glm4MoeConfig
 
-from megatron_rl.model.deepseek_v3 import HF_GROUP_SCORE_TOPN
+from megatron_rl.model.deepseek_v3 import check_sigmoid_router, sigmoid_router_fields
 
 
 def head_dim(hf_config: Glm4MoeConfig) -> int:
@@ -54,23 +54,7 @@ def check_glm4_moe(hf_config: Glm4MoeConfig) -> None:
             f"partial_rotary_factor={factor}: needs 0 < factor <= 1 and an even number of rotated "
             f"dims (head_dim={dim} gives {rot_dim})"
         )
-    if not cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
-        raise ValueError(
-            "norm_topk_prob=False is not supported: megatron's sigmoid router always normalises "
-            "the top-k weights; set norm_topk_prob=True"
-        )
-    groups = int(cfg.n_group or 1)
-    if groups > 1:
-        if cfg.n_routed_experts % groups:
-            raise ValueError(
-                f"n_routed_experts={cfg.n_routed_experts} is not divisible by n_group={groups}"
-            )
-        if cfg.num_experts_per_tok != HF_GROUP_SCORE_TOPN * cfg.topk_group:
-            raise ValueError(
-                f"num_experts_per_tok={cfg.num_experts_per_tok} must be {HF_GROUP_SCORE_TOPN} * "
-                f"topk_group={cfg.topk_group} when n_group > 1: HF scores a group by its best two "
-                "experts, megatron by its best num_experts_per_tok / topk_group"
-            )
+    check_sigmoid_router(cfg)
 
 
 def glm4_moe_fields(hf_config: Glm4MoeConfig) -> dict[str, Any]:
@@ -78,23 +62,10 @@ def glm4_moe_fields(hf_config: Glm4MoeConfig) -> dict[str, Any]:
     fraction is a `GPTModel` argument instead: `rotary_percent`)."""
     check_glm4_moe(hf_config)
     cfg = hf_config
-    groups = int(cfg.n_group or 1)
     return dict(
         num_query_groups=cfg.num_key_value_heads,
         kv_channels=head_dim(cfg),
         qk_layernorm=bool(cfg.use_qk_norm),
         add_qkv_bias=bool(cfg.attention_bias),
-        num_moe_experts=cfg.n_routed_experts,
-        moe_ffn_hidden_size=cfg.moe_intermediate_size,
-        moe_router_score_function="sigmoid",
-        # aux-loss-free balancing: expert_bias (e_score_correction_bias) moves by 1e-3 a step
-        # from the counts of the routes used, the replayed ones under R2/R3 (docs/model.md)
-        moe_router_enable_expert_bias=True,
-        moe_router_num_groups=groups if groups > 1 else None,
-        moe_router_group_topk=cfg.topk_group if groups > 1 else None,
-        moe_router_topk_scaling_factor=float(cfg.routed_scaling_factor),
-        moe_shared_expert_intermediate_size=(
-            cfg.moe_intermediate_size * cfg.n_shared_experts if cfg.n_shared_experts else None
-        ),
-        moe_shared_expert_gate=False,
+        **sigmoid_router_fields(cfg),
     )

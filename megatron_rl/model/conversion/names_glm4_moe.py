@@ -42,6 +42,7 @@ from megatron_rl.model.conversion.names import (
     pre_mlp_norm_map,
 )
 from megatron_rl.model.conversion.names_deepseek import sigmoid_moe_maps
+from megatron_rl.model.conversion.transforms import gqa_hf_shapes, hf_leaf
 from megatron_rl.model.glm4_moe import head_dim
 from megatron_rl.moe_layers import moe_layer_pattern
 
@@ -66,31 +67,13 @@ def glm4_moe_layer_maps(
 
 def glm4_moe_hf_shape(name: str, cfg: Glm4MoeConfig) -> tuple[int, ...]:
     """The shape of the HF tensor ``name`` of a GLM-4.5 model under ``cfg``."""
-    h, d = cfg.hidden_size, head_dim(cfg)
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    leaf = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
     if ".mlp.experts." in name:
         ffn = cfg.moe_intermediate_size
     elif ".mlp.shared_experts." in name:
         ffn = cfg.moe_intermediate_size * cfg.n_shared_experts
     else:
         ffn = cfg.intermediate_size
-    table = {
-        "embed_tokens.weight": (cfg.vocab_size, h),
-        "lm_head.weight": (cfg.vocab_size, h),
-        "q_proj.weight": (q, h),
-        "k_proj.weight": (kv, h),
-        "v_proj.weight": (kv, h),
-        "q_proj.bias": (q,),
-        "k_proj.bias": (kv,),
-        "v_proj.bias": (kv,),
-        "o_proj.weight": (h, q),
-        "q_norm.weight": (d,),
-        "k_norm.weight": (d,),
-        "gate_proj.weight": (ffn, h),
-        "up_proj.weight": (ffn, h),
-        "down_proj.weight": (h, ffn),
-        "gate.weight": (cfg.n_routed_experts, h),
-        "gate.e_score_correction_bias": (cfg.n_routed_experts,),
-    }
-    return table.get(leaf, (h,))  # the remaining tensors are the [H] norms
+    table = gqa_hf_shapes(cfg, head_dim(cfg), ffn)
+    table["gate.weight"] = (cfg.n_routed_experts, cfg.hidden_size)
+    table["gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+    return table.get(hf_leaf(name), (cfg.hidden_size,))  # the remaining tensors are the [H] norms

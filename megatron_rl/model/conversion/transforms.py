@@ -26,16 +26,29 @@ def hf_shape(name: str, cfg: Qwen3MoeConfig) -> tuple[int, ...]:
         from megatron_rl.model.conversion.names_glm4_moe import glm4_moe_hf_shape
 
         return glm4_moe_hf_shape(name, cfg)
-    h, d = cfg.hidden_size, head_dim(cfg)
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    leaf = name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
     if ".mlp.experts." in name:
         ffn = cfg.moe_intermediate_size
     elif ".shared_expert." in name:
         ffn = int(cfg.shared_expert_intermediate_size)
     else:
         ffn = cfg.intermediate_size
-    table = {
+    table = gqa_hf_shapes(cfg, head_dim(cfg), ffn)
+    table["gate.weight"] = (cfg.num_experts, cfg.hidden_size)
+    table["shared_expert_gate.weight"] = (1, cfg.hidden_size)
+    return table.get(hf_leaf(name), (cfg.hidden_size,))  # the remaining tensors are the [H] norms
+
+
+def hf_leaf(name: str) -> str:
+    """The last two parts of an HF tensor name (``q_proj.weight``): what its shape depends on."""
+    return name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1]
+
+
+def gqa_hf_shapes(cfg, d: int, ffn: int) -> dict[str, tuple[int, ...]]:
+    """Shapes by `hf_leaf` of a GQA transformer's HF tensors (embeddings, q/k/v/o with biases and
+    q/k norms of head dim ``d``, a gated MLP of width ``ffn``); the families add their routers."""
+    h = cfg.hidden_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return {
         "embed_tokens.weight": (cfg.vocab_size, h),
         "lm_head.weight": (cfg.vocab_size, h),
         "q_proj.weight": (q, h),
@@ -50,10 +63,7 @@ def hf_shape(name: str, cfg: Qwen3MoeConfig) -> tuple[int, ...]:
         "gate_proj.weight": (ffn, h),
         "up_proj.weight": (ffn, h),
         "down_proj.weight": (h, ffn),
-        "gate.weight": (cfg.num_experts, h),
-        "shared_expert_gate.weight": (1, h),
     }
-    return table.get(leaf, (h,))  # the remaining tensors are the [H] norms
 
 
 def canonical_shape(tmap: TensorMap, cfg: Qwen3MoeConfig) -> tuple[int, ...]:
