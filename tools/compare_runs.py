@@ -9,9 +9,10 @@ Each (arm, seed) is ``python -m megatron_rl.train ... --seed <s>`` on the embedd
 ``<out>/<arm>/seed<s>`` (metrics in ``metrics.jsonl``; trainer output in ``<out>/logs/``). Up to
 ``--jobs`` processes run at once (default: the machine's cores; each gets
 ``OMP_NUM_THREADS = cores // jobs`` unless set). A run that exits 0 gets a ``done.json`` marker
-(its flags, wall time and the child's peak RSS from ``wait4``'s ``ru_maxrss``); an interrupted
-study run again skips every marked run and reruns the others from scratch. A marked run whose
-flags differ from the ones the study would pass now is an error (use another ``--out``).
+(its flags, wall time, the child's peak RSS from ``wait4``'s ``ru_maxrss`` and the code's git
+revision); an interrupted study run again skips every marked run and reruns the others from
+scratch. A marked run whose flags differ from the ones the study would pass now is an error (use
+another ``--out``).
 
 Grid axes (arm name ``<loss>-<replay>-N<n>[-<routing dtype>][-<correction>][-<rollout dtype>]``,
 the optional parts only when not the default):
@@ -53,7 +54,14 @@ The study of docs/study.md is ``--recipe study --preset mismatch-noise --stalene
 Outputs in ``--out``: ``summary.md`` (per arm: mean +- 95% t-interval over seeds of each metric,
 per-layer behaviour agreement, and every arm's difference from the reference arm with its Welch
 interval, saying which differences are within noise) and ``curves.png`` (per-step mean over seeds
-with a 95% band). Statistics: megatron_rl/study/stats.py.
+with a 95% band). Statistics: megatron_rl/study/stats.py; the summary:
+megatron_rl/study/summary.py.
+
+``--records DIR`` also writes a small record of each finished run into DIR
+(megatron_rl/study/records.py: flags, seed, revision, the per-step metrics the summary reads).
+Records of several sittings add up; ``tools/study_summary.py --records DIR --out OUT`` rebuilds
+the summary and a deterministic ``curves.svg`` from them alone. A run DIR already records is not
+trained again into a fresh ``--out`` (records are never replaced).
 """
 
 from __future__ import annotations
@@ -78,7 +86,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatron_rl.recipes import RECIPES, get_recipe  # noqa: E402
-from megatron_rl.study import stats  # noqa: E402
+from megatron_rl.study import records, stats  # noqa: E402
+from megatron_rl.study.curves_svg import BAND_MIN_SEEDS  # noqa: E402
+from megatron_rl.study.run_metrics import PANELS, curve, run_scalars  # noqa: E402
+from megatron_rl.study.summary import STANDARD_NOTES, summary  # noqa: E402
 
 PRESETS = {
     "none": {"model": None, "rollout_dtype": "float32"},
@@ -101,19 +112,6 @@ CORRECTIONS = ("none", "tis-token", "tis-seq", "mis-token", "mis-seq", "icepop")
 DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float8": "fp8"}
 DONE = "done.json"
 METRICS = "metrics.jsonl"
-
-PANELS = (
-    ("eval_mean", "held-out mean@k"),
-    ("accuracy", "accuracy"),
-    ("reward/mean", "reward"),
-    ("clip_frac", "clip fraction (any side)"),
-    ("entropy", "entropy"),
-    ("routing/agreement/behaviour", "routing agreement, engine vs trainer"),
-    ("routing/agreement/update", "routing agreement after updates"),
-    ("mismatch/train_rollout_logprob_abs_gap", "|train - rollout| log-prob"),
-    ("grad_norm", "grad norm"),
-    ("policy/clip_position_cv", "clip position CV"),
-)
 
 
 # ---------------------------------------------------------------------------------- the grid
@@ -226,8 +224,8 @@ def is_done(job: Job) -> bool:
     return True
 
 
-def _write_marker(job: Job, wall_s: float, peak_rss_kb: int) -> None:
-    marker = {"flags": job.flags, "wall_s": wall_s, "peak_rss_mb": peak_rss_kb / 1024.0}
+def _write_marker(job: Job, wall_s: float, peak_rss_kb: int, extra: dict) -> None:
+    marker = {"flags": job.flags, "wall_s": wall_s, "peak_rss_mb": peak_rss_kb / 1024.0, **extra}
     tmp = job.run_dir / (DONE + ".tmp")
     tmp.write_text(json.dumps(marker, indent=1))
     os.replace(tmp, job.run_dir / DONE)  # atomic: a marker is complete or absent
@@ -239,11 +237,13 @@ def run_jobs(
     command: Callable[[Job], list[str]],
     env: dict[str, str] | None = None,
     echo: Callable[[str], None] = lambda line: print(line, flush=True),
+    marker_extra: dict | None = None,
 ) -> list[Job]:
     """Run the unfinished jobs, up to ``max_parallel`` at once; return the failed ones.
 
     A job's stale run directory (an interrupted run) is removed before it starts. Each child is
-    reaped with ``os.wait4`` for its own peak RSS.
+    reaped with ``os.wait4`` for its own peak RSS. ``marker_extra`` goes into every marker (the
+    code's git revision).
     """
     if max_parallel < 1:
         raise ValueError(f"--jobs {max_parallel}: must be >= 1")
@@ -271,7 +271,7 @@ def run_jobs(
             proc.returncode = os.waitstatus_to_exitcode(status)
             wall = time.perf_counter() - start
             if proc.returncode == 0 and (job.run_dir / METRICS).exists():
-                _write_marker(job, wall, usage.ru_maxrss)
+                _write_marker(job, wall, usage.ru_maxrss, marker_extra or {})
                 echo(f"finished {job.arm} seed {job.seed} in {wall:.0f} s")
             else:
                 failed.append(job)
@@ -295,96 +295,31 @@ def read_rows(run_dir: Path) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def clip_fraction(row: dict) -> float | None:
-    values = [
-        v
-        for k, v in row.items()
-        if (k.endswith("clip_frac_high") or k.endswith("clip_frac_low")) and v is not None
-    ]
-    return sum(values) if values else None
+def write_records(jobs: Sequence[Job], folder: Path) -> int:
+    """A record (megatron_rl/study/records.py) of every finished job in ``folder``; how many."""
+    written = 0
+    for job in jobs:
+        if (job.run_dir / DONE).exists():
+            marker = json.loads((job.run_dir / DONE).read_text())
+            record = records.make_record(job.arm, job.seed, read_rows(job.run_dir), marker)
+            try:
+                records.write_record(record, folder)
+            except ValueError as error:
+                raise SystemExit(str(error)) from None
+            written += 1
+    return written
 
 
-def value(row: dict, key: str) -> float | None:
-    if key == "clip_frac":
-        return clip_fraction(row)
-    if key == "eval_mean":  # the held-out eval/mean@n, whatever n
-        return next((v for k, v in row.items() if k.startswith("eval/mean@")), None)
-    return row.get(key)
-
-
-def curve(rows: list[dict], key: str) -> dict[int, float]:
-    out = {}
-    for row in rows:
-        v = value(row, key)
-        if v is not None and not (isinstance(v, float) and math.isnan(v)):
-            out[int(row["step"])] = float(v)
-    return out
-
-
-def _mean_over_steps(rows: list[dict], key: str) -> float:
-    xs = list(curve(rows, key).values())
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _final_eval(rows: list[dict], window: int, metric: str = "mean") -> float:
-    """The mean of the last ``window`` held-out evaluations' ``eval/<metric>@k`` (``mean`` or
-    ``pass``; nan without)."""
-    keys = sorted({k for row in rows for k in row if k.startswith(f"eval/{metric}@")})
-    if not keys:
-        return math.nan
-    return stats.tail_mean(list(curve(rows, keys[0]).values()), window)
-
-
-# (key, column title); the per-run scalar each row of summary.md aggregates over seeds
-RUN_METRICS = (
-    ("final_accuracy", "final accuracy"),
-    ("final_eval", "final held-out mean@k"),
-    ("final_pass", "final held-out pass@k"),
-    ("first_step", "first step >= threshold"),
-    ("logprob_gap", "abs log-prob gap"),
-    ("k3", "train/rollout k3 KL"),
-    ("agree_behaviour", "agreement behaviour"),
-    ("agree_update", "agreement update"),
-    ("clip_frac", "clip frac"),
-    ("clip_cv", "clip position CV"),
-    ("grad_spikes", "grad-norm spikes"),
-    ("entropy", "final entropy"),
-    ("wall_s", "wall s"),
-    ("time_step", "s / step"),
-    ("routing_bytes", "routing bytes / rank"),
-    ("peak_rss_mb", "peak RSS MiB"),
-)
-
-
-def run_scalars(rows: list[dict], marker: dict, threshold: float, window: int) -> dict:
-    """One run's summary numbers (nan where the run does not report the metric)."""
-    acc = curve(rows, "accuracy")
-    first = stats.first_step_reaching(list(acc), list(acc.values()), threshold)
-    out = {
-        "final_accuracy": stats.tail_mean(list(acc.values()), window),
-        "first_step": math.nan if first is None else float(first),
-        "logprob_gap": _mean_over_steps(rows, "mismatch/train_rollout_logprob_abs_gap"),
-        "k3": _mean_over_steps(rows, "mismatch/train_rollout_k3"),
-        "agree_behaviour": _mean_over_steps(rows, "routing/agreement/behaviour"),
-        "agree_update": _mean_over_steps(rows, "routing/agreement/update"),
-        "clip_frac": _mean_over_steps(rows, "clip_frac"),
-        "clip_cv": _mean_over_steps(rows, "policy/clip_position_cv"),
-        "grad_spikes": float(stats.spike_count(list(curve(rows, "grad_norm").values()))),
-        "entropy": stats.tail_mean(list(curve(rows, "entropy").values()), window),
-        "wall_s": float(marker.get("wall_s", math.nan)),
-        "time_step": _mean_over_steps(rows, "time/step"),
-        "routing_bytes": _mean_over_steps(rows, "routing/bytes_per_rank"),
-        "peak_rss_mb": float(marker.get("peak_rss_mb", math.nan)),
-        "final_eval": _final_eval(rows, window),
-        "final_pass": _final_eval(rows, window, "pass"),
-    }
-    layers = sorted(
-        {k for row in rows for k in row if k.startswith("routing/agreement/behaviour/layer_")},
-        key=lambda k: int(k.rsplit("_", 1)[1]),
-    )
-    for key in layers:
-        out["layer_" + key.rsplit("_", 1)[1]] = _mean_over_steps(rows, key)
-    return out
+def refuse_recorded_reruns(jobs: Sequence[Job], folder: Path) -> None:
+    """A record is never replaced, so a run the folder records must not train again elsewhere."""
+    again = [j for j in jobs if (folder / records.record_name(j.arm, j.seed)).exists()]
+    again = [job for job in again if not is_done(job)]
+    if again:
+        raise SystemExit(
+            f"--records {folder} already holds {len(again)} of these runs (e.g. {again[0].arm} "
+            f"seed {again[0].seed}) that {again[0].run_dir.parent.parent} has not finished; add "
+            "new seeds with --first-seed, or use another --records folder"
+        )
 
 
 def read_arm(arm_dir: Path, seeds: Sequence[int]) -> list[tuple[list[dict], dict]]:
@@ -398,118 +333,6 @@ def read_arm(arm_dir: Path, seeds: Sequence[int]) -> list[tuple[list[dict], dict
 
 
 # ---------------------------------------------------------------------------------- report
-def fmt(x: float) -> str:
-    if math.isnan(x):
-        return "n/a"
-    if math.isinf(x):
-        return "inf"
-    if x != 0 and (abs(x) < 1e-3 or abs(x) >= 1e5):
-        return f"{x:.2e}"
-    return f"{x:.4g}" if abs(x) < 1 else f"{x:.1f}" if abs(x) < 1e3 else f"{x:.0f}"
-
-
-def fmt_ci(values: Sequence[float]) -> str:
-    m, h = stats.mean_ci(values)
-    return "n/a" if math.isnan(m) else f"{fmt(m)} ± {fmt(h)}"
-
-
-DIFF_METRICS = (
-    "final_accuracy", "final_eval", "final_pass", "logprob_gap", "k3", "agree_behaviour",
-    "agree_update", "clip_frac", "entropy", "time_step", "routing_bytes", "peak_rss_mb",
-)  # fmt: skip
-
-
-def summary(
-    arms: dict[str, list[dict]],
-    *,
-    threshold: float,
-    window: int,
-    header: Sequence[str] = (),
-    notes: Sequence[str] = (),
-    reference: str | None = None,
-) -> str:
-    """``summary.md``: ``arms`` maps an arm's name to its runs' `run_scalars` (one per seed)."""
-    titles = dict(RUN_METRICS)
-    titles["first_step"] = f"first step >= {threshold}"
-    lines = [*header, ""]
-    lines += [
-        f"Mean ± half-width of the 95% Student-t interval over the K seeds of each arm "
-        f"(inf: K = 1). Final accuracy and entropy: mean of the last {window} steps of a run; "
-        f"final held-out mean@k / pass@k: mean of its last {window} evaluations; "
-        "the log-prob gap, KL, agreements, clip fraction, s/step and routing bytes: mean over "
-        "the run's steps; grad-norm spikes: steps with grad_norm > 3 x the run's median; "
-        f"first step >= {threshold}: over the seeds that reach it (reached: k/K).",
-        "",
-        "| arm | K | " + " | ".join(titles[k] for k, _ in RUN_METRICS) + " |",
-        "|---|---|" + "---|" * len(RUN_METRICS),
-    ]
-    for name, runs in arms.items():
-        if not runs:
-            lines.append(f"| {name} | 0 | (no finished runs) |" + " |" * (len(RUN_METRICS) - 1))
-            continue
-        cells = []
-        for key, _ in RUN_METRICS:
-            column = [run[key] for run in runs]
-            cell = fmt_ci(column)
-            if key == "first_step":
-                cell += f" (reached: {len(stats.finite(column))}/{len(runs)})"
-            cells.append(cell)
-        lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
-    layer_keys = sorted(
-        {k for runs in arms.values() for run in runs for k in run if k.startswith("layer_")},
-        key=lambda k: int(k.split("_")[1]),
-    )
-    if layer_keys:
-        lines += [
-            "",
-            "Routing agreement at the behaviour pass (engine routes vs the trainer's, same "
-            "weights) per MoE layer, mean over steps, then over seeds:",
-            "",
-            "| arm | " + " | ".join(layer_keys) + " |",
-            "|---|" + "---|" * len(layer_keys),
-        ]
-        for name, runs in arms.items():
-            if runs and any(k in runs[0] for k in layer_keys):
-                cells = [fmt_ci([run.get(k, math.nan) for run in runs]) for k in layer_keys]
-                lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    names = [n for n, runs in arms.items() if runs]
-    reference = reference or (names[0] if names else None)
-    if reference in arms and len(names) > 1:
-        lines += [
-            "",
-            f"Differences from the reference arm `{reference}`: mean difference (arm - "
-            "reference) with its 95% Welch interval. 'within CI': the interval contains 0, so "
-            "these seeds do not tell the arms apart on that metric. One interval per cell, no "
-            "correction for the number of comparisons.",
-            "",
-            "| arm | metric | difference | 95% interval | verdict |",
-            "|---|---|---|---|---|",
-        ]
-        for name in names:
-            if name == reference:
-                continue
-            for key in DIFF_METRICS:
-                a = [run[key] for run in arms[name]]
-                b = [run[key] for run in arms[reference]]
-                d, h = stats.welch_diff_ci(a, b)
-                if math.isnan(d):
-                    continue
-                if math.isinf(h):
-                    verdict = "undefined (K < 2)"
-                elif abs(d) <= h:
-                    verdict = "within CI"
-                else:
-                    verdict = "higher" if d > 0 else "lower"
-                interval = f"[{fmt(d - h)}, {fmt(d + h)}]" if not math.isinf(h) else "(-inf, inf)"
-                lines.append(f"| {name} | {titles[key]} | {fmt(d)} | {interval} | {verdict} |")
-    if notes:
-        lines += ["", "Notes:", "", *[f"- {note}" for note in notes]]
-    return "\n".join(lines) + "\n"
-
-
-BAND_MIN_SEEDS = 3  # below, a t-band (t = 12.7 at K = 2) is wider than the data: seeds drawn
-
-
 def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
     """Per panel, every arm's per-step mean over seeds with its 95% band; with fewer than
     `BAND_MIN_SEEDS` seeds, each seed's own curve (thin) instead of the band."""
@@ -575,6 +398,11 @@ def parse_args(argv: Sequence[str] | None = None):
     parser.add_argument("--reference", help="arm the differences are taken from (default: first)")
     parser.add_argument("--read", action="store_true", help="only read finished runs")
     parser.add_argument(
+        "--records",
+        type=Path,
+        help="also keep a small record of each finished run here (tools/study_summary.py)",
+    )
+    parser.add_argument(
         "--trainer-command",
         default=None,
         help="command a run starts (default: this Python with -m megatron_rl.train)",
@@ -633,8 +461,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for arm in arms
         for seed in seeds
     ]
+    if args.records:
+        refuse_recorded_reruns(jobs, args.records)
     failed: list[Job] = []
     if not args.read:
+        revision, dirty = records.git_revision(ROOT)
         env = dict(os.environ)
         cores = os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // min(args.jobs, len(jobs)))))
@@ -644,7 +475,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.jobs,
             lambda job: [*trainer, *job.flags, "--run-dir", str(job.run_dir), "--no-progress"],
             env=env,
+            marker_extra={"revision": revision, "dirty": dirty},
         )
+    if args.records:
+        count = write_records(jobs, args.records)
+        print(f"{count} run record(s) in {args.records}")
     per_arm, curves = {}, {}
     for arm in arms:
         runs = read_arm(args.out / arm.name, seeds)
@@ -673,17 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "more bytes, so its arms train identically up to run-to-run noise; read only its "
             "routing bytes and peak RSS."
         )
-    notes.append(
-        "routing agreement at the behaviour pass is reported by r3 and r3rec arms only; read it "
-        "against a float32-rollout arm of the same preset (identical engine and trainer "
-        "numerics): that arm's value is what the metric reads without any mismatch, and the "
-        "excess over it is the mismatch."
-    )
-    notes.append(
-        "routing bytes / rank: the trainer's routing/bytes_per_rank (R2 recordings, R3 sample "
-        "routes); peak RSS: ru_maxrss of each run's process, so it also holds the model, the "
-        "optimizer and the engine, and differences between arms are the memory story."
-    )
+    notes += STANDARD_NOTES
     if failed:
         notes.append("failed runs (no marker, rerun on the next invocation): " + ", ".join(
             f"{job.arm} seed {job.seed}" for job in failed
