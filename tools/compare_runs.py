@@ -45,7 +45,11 @@ of token-layers differ). Two stronger ones: ``--preset mismatch-fp8`` serves FP8
 (``--rollout-dtype float8``; 19% at initialisation, ~1% after 10 steps) and ``--preset
 mismatch-noise`` adds noise to the engine's router (``--rollout-router-noise 0.05``, relative to
 each token's logit spread, on top of bf16: a fifth of token-layers keep differing at trained
-weights; see docs/study.md). ``--preset none``: the plain tiny model, fp32 on both sides
+weights; see docs/study.md). ``--preset long-stress``: the long-response task
+(``--task addition-trace``, responses of 32-83 tokens) from the warm start ``--warm-start DIR``
+(`megatron_rl.study.warm_start`), bf16 rollouts with router noise 0.05 (the stress arm) and lr
+1e-4 (3e-3, the tiny model's default, wrecks the warm-started policy in one step).
+``--preset none``: the plain tiny model, fp32 on both sides
 (no mismatch).
 
 The study of docs/study.md is ``--recipe study --preset mismatch-noise --staleness 8 1 --seeds 5
@@ -100,7 +104,16 @@ PRESETS = {
         "rollout_dtype": "bfloat16",
         "flags": ("--rollout-router-noise", "0.05"),
     },
-}
+    # the long-response study (docs/study.md), from `--warm-start DIR`
+    "long-stress": {
+        "model": "warm-start",
+        "rollout_dtype": "bfloat16",
+        "flags": (
+            "--task", "addition-trace", "--max-response-length", "128", "--lr", "1e-4",
+            "--rollout-router-noise", "0.05",
+        ),
+    },
+}  # fmt: skip
 REPLAY_FLAGS = {
     "off": ["--routing-replay", "off"],
     "r2": ["--routing-replay", "r2"],
@@ -180,6 +193,8 @@ def arm_flags(arm: Arm, args) -> list[str]:
     while global_batch % micro:
         micro -= 1
     model = PRESETS[args.preset]["model"]
+    if model == "warm-start":
+        model = str(args.warm_start)
     preset_flags = PRESETS[args.preset].get("flags", ())
     objective = ["--loss", arm.loss, *REPLAY_FLAGS[arm.replay]]
     if arm.recipe:  # the paper's protocol and this arm's objective, at the study's scale
@@ -398,6 +413,12 @@ def parse_args(argv: Sequence[str] | None = None):
     parser.add_argument("--reference", help="arm the differences are taken from (default: first)")
     parser.add_argument("--read", action="store_true", help="only read finished runs")
     parser.add_argument(
+        "--warm-start",
+        type=Path,
+        help="the warm-started checkpoint (python -m megatron_rl.study.warm_start --out DIR) "
+        "that --preset long-stress trains from",
+    )
+    parser.add_argument(
         "--records",
         type=Path,
         help="also keep a small record of each finished run here (tools/study_summary.py)",
@@ -423,6 +444,17 @@ def parse_args(argv: Sequence[str] | None = None):
             parser.error("--replay with --recipe: the recipe's arms set routing replay")
     elif args.losses is None:
         args.losses = ["grpo", "gspo", "vespo", "epic"]
+    wants_warm_start = PRESETS[args.preset]["model"] == "warm-start"
+    if wants_warm_start and args.warm_start is None:
+        parser.error(f"--preset {args.preset} trains from a warm start: give --warm-start DIR")
+    if args.warm_start is not None:
+        if not wants_warm_start:
+            parser.error(f"--warm-start: --preset {args.preset} does not use one")
+        if not (args.warm_start / "warm_start.json").is_file():
+            parser.error(
+                f"--warm-start {args.warm_start}: no warm_start.json there; write one with "
+                "python -m megatron_rl.study.warm_start --out DIR"
+            )
     return args
 
 

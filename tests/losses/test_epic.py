@@ -360,3 +360,28 @@ def test_raw_prob_clips_only_the_start_of_long_responses_and_dual_clips_evenly()
     lo, up, _ = epic_log_bounds(batch["old_logprobs"], batch["loss_mask"], 5e-4, 2e-3, "raw-prob")
     # past the start its bounds on g_t are ~[0, 1 / geometric-mean mu]: effectively no clip
     assert lo[:, 64:].exp().max().item() < 1e-10 and up[:, 64:].exp().min().item() > 1.5
+
+
+@pytest.mark.parametrize("variant", EPIC_VARIANTS)
+def test_a_masked_out_token_inside_a_response_leaves_every_prefix_as_if_it_were_absent(variant):
+    # a tool output inside a multi-turn response (response_mask 0), with arbitrary log-probs
+    # there: the prefix ratio, its budget and t must skip it, as if the token were not there
+    gen = torch.Generator().manual_seed(0)
+    old = -torch.rand(1, 6, generator=gen, dtype=torch.float64) * 3
+    lp = old + torch.randn(1, 6, generator=gen, dtype=torch.float64) * 0.3
+    mask = torch.tensor([[True, True, False, False, True, True]])
+    lp[0, 2:4], old[0, 2:4] = torch.tensor([-40.0, 5.0]), torch.tensor([3.0, -60.0])
+    keep = mask[0]
+    common = dict(advantages=torch.tensor([-1.0], dtype=torch.float64), variant=variant)
+    common |= dict(delta_low=0.05, delta_high=0.05, loss_agg_mode="token-mean")
+    with_gap = compute_policy_loss(
+        "epic", logprobs=lp, old_logprobs=old, loss_mask=mask, **common
+    ).per_token_loss[0, keep]
+    without = compute_policy_loss(
+        "epic",
+        logprobs=lp[:, keep],
+        old_logprobs=old[:, keep],
+        loss_mask=torch.ones(1, 4, dtype=torch.bool),
+        **common,
+    ).per_token_loss[0]
+    torch.testing.assert_close(with_gap, without, rtol=1e-12, atol=0)
