@@ -149,9 +149,13 @@ class RoutingReplay:
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def pop_recorded(self) -> torch.Tensor:
-        """``[rows, local_layers, K]`` routing of the micro-batch the record pass just ran."""
+        """``[rows, local_layers, K]`` routing of the micro-batch the record pass just ran;
+        ``[0, 0, K]`` on a pipeline stage without MoE layers."""
         if self._kind != "record":
             raise RuntimeError("pop_recorded() needs an open record pass")
+        if not self.routers:  # a pipeline stage of dense layers only: it routes nothing
+            self._pushed += 1
+            return torch.empty((0, 0, self.codec.topk), dtype=torch.int64)
         recorded = [r.router_replay.get_recorded_indices() for r in self.routers]
         for number, indices in zip(self.layer_numbers, recorded, strict=True):
             if indices is None:
@@ -266,7 +270,8 @@ class RoutingReplay:
         for part_key, rows in parts:
             if part_key in self._recorded:
                 raise RuntimeError(f"routes are already recorded under key {part_key!r}")
-            self._recorded[part_key] = self.codec.encode(decoded[rows].contiguous())
+            part = decoded[rows] if decoded.shape[1] else decoded  # no local MoE layer: empty
+            self._recorded[part_key] = self.codec.encode(part.contiguous())
 
     def recorded_routes(self, key: Hashable) -> list[torch.Tensor]:
         """Per local MoE layer ``[rows, K]``: the routes recorded under ``key`` in this step."""
