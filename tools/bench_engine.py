@@ -11,7 +11,12 @@ sampling), one torch thread. Arms, one engine each (same weights):
 - ``old``: transformers' ``"grouped_mm"`` experts (``torch._grouped_mm``), the engine's default;
 - ``new``: ``"padded_bmm"`` (`megatron_rl.rollout.padded_experts`);
 - ``--batch-sizes A B ...``: the default experts with ``max_batch_size`` A, B, ... (ratios
-  against A).
+  against A);
+- ``matmul`` (bf16 dtypes): ``native``, torch's bf16 kernels, against ``fp32``, the bf16
+  operands through fp32 kernels (`megatron_rl.rollout.fp32_matmuls`, the engine's default on
+  the CPU).
+
+``--compare`` picks among ``experts``, ``matmul`` and ``batch`` (default: all).
 
 The arms alternate (ABBA) within every repeat. Each call is timed on the wall clock and on the
 thread's CPU clock (on a shared machine the CPU clock is the steadier one); ratios are
@@ -26,6 +31,11 @@ x 4 tokens, CPU clock, ratio = old (or batch64) / arm, median [min-max]:
     tiny           bfloat16  0.72 [0.70-0.97] (20 rep.)  1.23 [1.00-1.45]  (201 vs 246 us/token)
     tiny-mismatch  float32   0.51 [0.45-0.57] (10 rep.)  1.43 [1.09-1.51]  (244 vs 347 us/token)
     tiny-mismatch  bfloat16  0.27 [0.26-0.33] (10 rep.)  1.17 [1.06-1.39]  (634 vs 738 us/token)
+
+bf16 products (``--compare matmul``, tiny-mismatch, 16 x 8 x 64 tokens, 6 repeats, CPU clock,
+native / fp32, measured 2026-12-03 on the same machine under load): bfloat16 2.02 [1.94-2.07]
+(454 vs 224 us/token), float8 1.96 [1.93-2.00] (462 vs 236); the same tokens, log-probs within
+2.3e-3 (bf16) and 1.1e-3 (float8) of the native kernels'.
 
 Every arm drew the same tokens; log-probs were bitwise equal except fp32 across batch sizes
 (2.4e-7: MKL rounds a row by the matrix's row count). The padded kernel loses because the
@@ -47,6 +57,8 @@ from megatron_rl.model import PRESET_NAMES, preset_config
 from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig, SamplingParams
 from megatron_rl.rollout.route_capture import moe_gates
 
+COMPARISONS = ("experts", "matmul", "batch")
+MATMULS = ("native", "fp32")  # InProcessEngineConfig.bf16_matmul arms, the first the baseline
 BUILTIN_VOCAB = 16  # the built-in task's tokenizer (`megatron_rl.data.builtin_tokenizer`)
 
 
@@ -144,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[64, 256])
+    parser.add_argument("--compare", nargs="+", default=list(COMPARISONS), choices=COMPARISONS)
     parser.add_argument("--json", help="write the numbers to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -153,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
             "old": InProcessEngineConfig(dtype=dtype, experts_implementation="grouped_mm"),
             "new": InProcessEngineConfig(dtype=dtype, experts_implementation="padded_bmm"),
         }
-        results[f"{dtype}/experts"] = run_arms(args, experts)
-        if args.batch_sizes:
+        if "experts" in args.compare:
+            results[f"{dtype}/experts"] = run_arms(args, experts)
+        if "matmul" in args.compare and dtype != "float32":  # bf16 kernels vs fp32 products
+            matmuls = {m: InProcessEngineConfig(dtype=dtype, bf16_matmul=m) for m in MATMULS}
+            results[f"{dtype}/matmul"] = run_arms(args, matmuls)
+        if args.batch_sizes and "batch" in args.compare:
             sizes = {
                 f"batch{size}": InProcessEngineConfig(dtype=dtype, max_batch_size=size)
                 for size in args.batch_sizes

@@ -41,6 +41,7 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
             pause_mode=pause_mode,
             router_noise=config.rollout_router_noise,
             router_noise_seed=seed,
+            bf16_matmul=config.rollout_bf16_matmul,
         )
         return InProcessEngine.from_hf_config(hf_config, engine_config, seed=seed)
     from megatron_rl.rollout.http_pool import HttpPoolConfig

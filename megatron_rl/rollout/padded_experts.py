@@ -35,6 +35,46 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterfac
 PADDED_BMM = "padded_bmm"  # the name this module registers in transformers' ExpertsInterface
 
 
+def check_qwen3_experts(experts: torch.nn.Module, name: str) -> None:
+    """Refuse an experts module whose layout is not Qwen3-MoE's (what ``name`` computes)."""
+    if (
+        experts.has_bias
+        or experts.is_transposed
+        or not experts.has_gate
+        or experts.has_post_expert_norm
+    ):
+        raise ValueError(
+            f"{name} experts: {type(experts).__name__} needs a layout other than Qwen3-MoE's "
+            "(gated, untransposed, no bias, no post-expert norm); use experts_implementation="
+            "'grouped_mm'"
+        )
+    if experts._is_expert_parallel:
+        raise ValueError(f"{name} experts: expert parallelism is not supported")
+
+
+def expert_order(
+    top_k_index: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(expert_sorted_S, perm_S, counts_E)``: the S = T K (token, slot) pairs of
+    ``top_k_index`` [T, K] (token-major) sorted by expert as transformers' grouped path sorts
+    them, the permutation, and the pairs per expert."""
+    expert_ids_S = top_k_index.reshape(-1)
+    expert_sorted_S, perm_S = torch.sort(expert_ids_S)
+    return expert_sorted_S, perm_S, torch.bincount(expert_ids_S, minlength=num_experts)
+
+
+def unpermute_sum(
+    proj_SH: torch.Tensor, top_k_weights: torch.Tensor, perm_S: torch.Tensor
+) -> torch.Tensor:
+    """``out[t] = sum_k w[t, k] y[t, k]`` [T, H] from the expert outputs ``proj_SH`` in sorted
+    order (`expert_order`) and the routing weights ``top_k_weights`` [T, K]."""
+    num_tokens, num_top_k = top_k_weights.shape
+    weighted_SH = proj_SH * top_k_weights.reshape(-1)[perm_S].unsqueeze(-1)
+    inv_perm_S = torch.empty_like(perm_S)
+    inv_perm_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
+    return weighted_SH[inv_perm_S].view(num_tokens, num_top_k, -1).sum(dim=1)
+
+
 def padded_bmm_experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -46,22 +86,13 @@ def padded_bmm_experts_forward(
     ``self``: a Qwen3-MoE experts module (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I],
     concatenated gate/up, no bias); ``top_k_weights`` [T, K] weights the K expert outputs.
     """
-    if self.has_bias or self.is_transposed or not self.has_gate or self.has_post_expert_norm:
-        raise ValueError(
-            f"{PADDED_BMM} experts: {type(self).__name__} needs a layout other than Qwen3-MoE's "
-            "(gated, untransposed, no bias, no post-expert norm); use experts_implementation="
-            "'grouped_mm'"
-        )
-    if self._is_expert_parallel:
-        raise ValueError(f"{PADDED_BMM} experts: expert parallelism is not supported")
-    num_tokens, num_top_k = top_k_index.shape
+    check_qwen3_experts(self, PADDED_BMM)
+    num_top_k = top_k_index.shape[-1]
     hidden_dim = hidden_states.size(-1)
-    expert_ids_S = top_k_index.reshape(-1)  # S = T * K (token, slot) pairs, token-major
-    expert_sorted_S, perm_S = torch.sort(expert_ids_S)  # as the grouped path groups them
-    counts_E = torch.bincount(expert_ids_S, minlength=self.num_experts)
+    expert_sorted_S, perm_S, counts_E = expert_order(top_k_index, self.num_experts)
     starts_E = torch.cumsum(counts_E, dim=0) - counts_E
-    slot_S = torch.arange(expert_ids_S.numel(), device=perm_S.device) - starts_E[expert_sorted_S]
-    capacity = int(counts_E.max()) if expert_ids_S.numel() else 0
+    slot_S = torch.arange(perm_S.numel(), device=perm_S.device) - starts_E[expert_sorted_S]
+    capacity = int(counts_E.max()) if perm_S.numel() else 0
     weight_dtype = self.gate_up_proj.dtype
     x_ECH = hidden_states.new_zeros(self.num_experts, capacity, hidden_dim, dtype=weight_dtype)
     x_ECH[expert_sorted_S, slot_S] = hidden_states[perm_S // num_top_k].to(weight_dtype)
@@ -69,12 +100,7 @@ def padded_bmm_experts_forward(
     act_ECI = self._apply_gate(gate_up_EC2I)
     out_ECH = torch.bmm(act_ECI, self.down_proj.transpose(1, 2))
     proj_SH = out_ECH[expert_sorted_S, slot_S]  # sorted order, as grouped_mm returns it
-    weighted_SH = proj_SH * top_k_weights.reshape(-1)[perm_S].unsqueeze(-1)
-    inv_perm_S = torch.empty_like(perm_S)
-    inv_perm_S[perm_S] = torch.arange(perm_S.numel(), device=perm_S.device)
-    weighted_SH = weighted_SH[inv_perm_S]
-    final_TH = weighted_SH.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
-    return final_TH.to(hidden_states.dtype)
+    return unpermute_sum(proj_SH, top_k_weights, perm_S).to(hidden_states.dtype)
 
 
 def register_padded_experts() -> None:

@@ -23,6 +23,9 @@ import torch
 from megatron_rl.routing import RoutingBlob
 
 FINISH_REASONS = ("stop", "length", "abort")
+# how bf16 serving multiplies (`megatron_rl.rollout.fp32_matmuls`): auto, torch's bf16 kernels, or
+# bf16 operands through fp32 kernels with one rounding
+BF16_MATMULS = ("auto", "native", "fp32")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
