@@ -45,10 +45,12 @@ of token-layers differ). Two stronger ones: ``--preset mismatch-fp8`` serves FP8
 (``--rollout-dtype float8``; 19% at initialisation, ~1% after 10 steps) and ``--preset
 mismatch-noise`` adds noise to the engine's router (``--rollout-router-noise 0.05``, relative to
 each token's logit spread, on top of bf16: a fifth of token-layers keep differing at trained
-weights; see docs/study.md). ``--preset long-stress``: the long-response task
-(``--task addition-trace``, responses of 32-83 tokens) from the warm start ``--warm-start DIR``
-(`megatron_rl.study.warm_start`), bf16 rollouts with router noise 0.05 (the stress arm) and lr
-1e-4 (3e-3, the tiny model's default, wrecks the warm-started policy in one step).
+weights; see docs/study.md). ``--preset long``: the long-response task (``--task
+addition-trace``, responses of 32-83 tokens) from the warm start ``--warm-start DIR``
+(`megatron_rl.study.warm_start`) with bf16 rollouts, the mismatch measured on the real SGLang
+server (``tools/measure_mismatch.py``), and lr 1e-4 (3e-3, the tiny model's default, wrecks the
+warm-started policy in one step); ``--preset long-stress`` adds router noise 0.05 (the stress
+arm).
 ``--preset none``: the plain tiny model, fp32 on both sides
 (no mismatch).
 
@@ -95,6 +97,7 @@ from megatron_rl.study.curves_svg import BAND_MIN_SEEDS  # noqa: E402
 from megatron_rl.study.run_metrics import PANELS, curve, run_scalars  # noqa: E402
 from megatron_rl.study.summary import STANDARD_NOTES, summary  # noqa: E402
 
+LONG_TASK = ("--task", "addition-trace", "--max-response-length", "128", "--lr", "1e-4")
 PRESETS = {
     "none": {"model": None, "rollout_dtype": "float32"},
     "mismatch": {"model": "tiny-mismatch", "rollout_dtype": "bfloat16"},
@@ -104,14 +107,17 @@ PRESETS = {
         "rollout_dtype": "bfloat16",
         "flags": ("--rollout-router-noise", "0.05"),
     },
-    # the long-response study (docs/study.md), from `--warm-start DIR`
+    # the long-response study (docs/study.md), from `--warm-start DIR`: bf16 serving alone, the
+    # mismatch measured on the real SGLang server; and router noise 0.05 on top, the stress arm
+    "long": {
+        "model": "warm-start",
+        "rollout_dtype": "bfloat16",
+        "flags": LONG_TASK,
+    },
     "long-stress": {
         "model": "warm-start",
         "rollout_dtype": "bfloat16",
-        "flags": (
-            "--task", "addition-trace", "--max-response-length", "128", "--lr", "1e-4",
-            "--rollout-router-noise", "0.05",
-        ),
+        "flags": (*LONG_TASK, "--rollout-router-noise", "0.05"),
     },
 }  # fmt: skip
 REPLAY_FLAGS = {

@@ -160,3 +160,29 @@ def test_the_final_held_out_score_is_summarised_when_runs_evaluate():
     rows = [{"step": s, "accuracy": 0.5, "eval/mean@8": 0.1 * s} for s in range(1, 6)]
     assert compare_runs.run_scalars(rows, {}, 0.9, 2)["final_eval"] == pytest.approx(0.45)
     assert math.isnan(compare_runs.run_scalars([{"step": 1}], {}, 0.9, 2)["final_eval"])
+
+
+@pytest.mark.parametrize(("preset", "noise"), [("long", 0.0), ("long-stress", 0.05)])
+def test_the_long_presets_train_the_addition_task_from_the_given_warm_start(
+    tmp_path, preset, noise
+):
+    from megatron_rl.train.config import parse_args
+
+    warm = tmp_path / "warm"
+    common = ["--recipe", "study", "--preset", preset, "--staleness", "8", "--losses", "epic"]
+    with pytest.raises(SystemExit):  # no --warm-start
+        compare_runs.parse_args(common)
+    with pytest.raises(SystemExit):  # a folder without warm_start.json
+        compare_runs.parse_args([*common, "--warm-start", str(warm)])
+    warm.mkdir()
+    (warm / "warm_start.json").write_text("{}")
+    args = compare_runs.parse_args([*common, "--warm-start", str(warm)])
+    arms, _ = compare_runs.build_grid(args)
+    flags = compare_runs.arm_flags(arms[0], args)
+    assert flags[flags.index("--model") + 1] == str(warm)
+    config = parse_args([*flags, "--seed", "1"])
+    assert config.task.task == "addition-trace" and config.optimizer.lr == 1e-4
+    assert config.engine.rollout_router_noise == noise
+    assert config.engine.rollout_dtype == "bfloat16"
+    with pytest.raises(SystemExit):  # a preset without a warm start refuses one
+        compare_runs.parse_args(["--preset", "mismatch", "--warm-start", str(warm)])
