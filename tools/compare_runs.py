@@ -258,13 +258,14 @@ def run_jobs(
     command: Callable[[Job], list[str]],
     env: dict[str, str] | None = None,
     echo: Callable[[str], None] = lambda line: print(line, flush=True),
-    marker_extra: dict | None = None,
+    marker_extra: Callable[[], dict] | None = None,
 ) -> list[Job]:
     """Run the unfinished jobs, up to ``max_parallel`` at once; return the failed ones.
 
     A job's stale run directory (an interrupted run) is removed before it starts. Each child is
-    reaped with ``os.wait4`` for its own peak RSS. ``marker_extra`` goes into every marker (the
-    code's git revision).
+    reaped with ``os.wait4`` for its own peak RSS. ``marker_extra()``, called as each job
+    starts, goes into its marker (the code's git revision then: a study that runs for hours
+    sees commits land between its jobs).
     """
     if max_parallel < 1:
         raise ValueError(f"--jobs {max_parallel}: must be >= 1")
@@ -283,28 +284,35 @@ def run_jobs(
                     proc = subprocess.Popen(
                         command(job), stdout=log, stderr=subprocess.STDOUT, env=env
                     )
-                running[proc.pid] = (job, proc, time.perf_counter())
+                extra = marker_extra() if marker_extra is not None else {}
+                running[proc.pid] = (job, proc, time.perf_counter(), extra)
                 echo(f"started {job.arm} seed {job.seed}")
             pid, status, usage = os.wait4(-1, 0)
             if pid not in running:
                 continue
-            job, proc, start = running.pop(pid)
+            job, proc, start, extra = running.pop(pid)
             proc.returncode = os.waitstatus_to_exitcode(status)
             wall = time.perf_counter() - start
             if proc.returncode == 0 and (job.run_dir / METRICS).exists():
-                _write_marker(job, wall, usage.ru_maxrss, marker_extra or {})
+                _write_marker(job, wall, usage.ru_maxrss, extra)
                 echo(f"finished {job.arm} seed {job.seed} in {wall:.0f} s")
             else:
                 failed.append(job)
                 echo(f"FAILED {job.arm} seed {job.seed} (exit {proc.returncode}); see {job.log}")
     finally:
-        for _, proc, _ in running.values():  # interrupted: stop our children, leave no marker
+        for _, proc, _, _ in running.values():  # interrupted: stop the children, no marker
             with contextlib.suppress(ProcessLookupError):
                 proc.terminate()
-        for _, proc, _ in running.values():
+        for _, proc, _, _ in running.values():
             with contextlib.suppress(ChildProcessError):
                 proc.wait()
     return failed
+
+
+def revision_now() -> dict:
+    """The checkout's git revision and dirty flag now, for a run's marker and record."""
+    revision, dirty = records.git_revision(ROOT)
+    return {"revision": revision, "dirty": dirty}
 
 
 # ---------------------------------------------------------------------------------- reading
@@ -503,7 +511,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         refuse_recorded_reruns(jobs, args.records)
     failed: list[Job] = []
     if not args.read:
-        revision, dirty = records.git_revision(ROOT)
         env = dict(os.environ)
         cores = os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // min(args.jobs, len(jobs)))))
@@ -513,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.jobs,
             lambda job: [*trainer, *job.flags, "--run-dir", str(job.run_dir), "--no-progress"],
             env=env,
-            marker_extra={"revision": revision, "dirty": dirty},
+            marker_extra=revision_now,
         )
     if args.records:
         count = write_records(jobs, args.records)

@@ -186,3 +186,25 @@ def test_the_long_presets_train_the_addition_task_from_the_given_warm_start(
     assert config.engine.rollout_dtype == "bfloat16"
     with pytest.raises(SystemExit):  # a preset without a warm start refuses one
         compare_runs.parse_args(["--preset", "mismatch", "--warm-start", str(warm)])
+
+
+def test_each_run_records_the_revision_in_force_when_it_started(tmp_path):
+    # a study runs for hours and commits land between its jobs: the second job, started after
+    # a "commit", must not carry the revision the study began with
+    revisions = iter(["aaaa", "bbbb"])
+    jobs = [
+        compare_runs.Job("arm", seed, tmp_path / f"s{seed}", tmp_path / f"s{seed}.log", [])
+        for seed in (1, 2)
+    ]
+    script = "import pathlib, sys; p = pathlib.Path(sys.argv[1]); p.mkdir(); "
+    script += "(p / 'metrics.jsonl').write_text('{}')"
+    failed = compare_runs.run_jobs(
+        jobs,
+        1,
+        lambda job: [sys.executable, "-c", script, str(job.run_dir)],
+        echo=lambda line: None,
+        marker_extra=lambda: {"revision": next(revisions)},
+    )
+    assert failed == []
+    markers = [json.loads((job.run_dir / "done.json").read_text()) for job in jobs]
+    assert [m["revision"] for m in markers] == ["aaaa", "bbbb"]
