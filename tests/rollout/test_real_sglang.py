@@ -359,7 +359,9 @@ def test_what_sglang_refuses_while_requests_are_paused_in_place_or_retracted(
         """Start the request, pause in ``mode`` after 1 s, run ``steps()``, continue; the
         request's answer and what ``steps`` returned."""
         answers: list = []
-        thread = threading.Thread(target=lambda: answers.append(post("/generate", body)))
+        # the paused request waits through the pause: a generous guard (600 s), not a measure
+        generate = lambda: request_json(server.url, "POST", "/generate", body, timeout_s=600)  # noqa: E731
+        thread = threading.Thread(target=lambda: answers.append(generate()))
         thread.start()
         try:
             time.sleep(1.0)  # the request runs (checked: it is still running when paused)
