@@ -17,6 +17,7 @@ from xml.sax.saxutils import escape
 
 from megatron_rl.study import stats
 from megatron_rl.study.run_metrics import PANELS, curve
+from megatron_rl.svg_axes import padded_span, step_ticks
 
 BAND_MIN_SEEDS = 3
 COLUMNS, PANEL_WIDTH, PANEL_HEIGHT = 2, 480, 230
@@ -78,8 +79,8 @@ def _panel(
         out.append(f'<text x="{x0 + width / 2:.1f}" y="{y0 + height / 2:.1f}" '
                    'text-anchor="middle" fill="#888">(not reported)</text>')  # fmt: skip
         return out
-    s0, s1 = _span(steps)
-    v0, v1 = _span(values)
+    s0, s1 = padded_span(steps)
+    v0, v1 = padded_span(values)
 
     def x(step: float) -> str:
         return f"{x0 + (step - s0) / (s1 - s0) * width:.1f}"
@@ -95,7 +96,7 @@ def _panel(
                    'stroke="#ddd"/>')  # fmt: skip
         out.append(f'<text x="{x0 - 4}" y="{float(y(value)) + 4:.1f}" text-anchor="end">'
                    f"{value:.3g}</text>")  # fmt: skip
-    for step in _step_ticks(s0, s1):
+    for step in step_ticks(s0, s1):
         out.append(f'<text x="{x(step)}" y="{y0 + height + 14}" text-anchor="middle">'
                    f"{step}</text>")  # fmt: skip
     out.append(f'<text x="{x0 + width / 2:.1f}" y="{y0 + height + 28}" '
@@ -136,19 +137,3 @@ def _line(points: dict[int, float], x, y, color: str, width: float, opacity: flo
     alpha = f' stroke-opacity="{opacity}"' if opacity < 1 else ""
     return (f'<polyline points="{coords}" fill="none" stroke="{color}" '
             f'stroke-width="{width}"{alpha}/>')  # fmt: skip
-
-
-def _span(values: list[float]) -> tuple[float, float]:
-    """``(low, high)`` around ``values``, 5% padded; equal values get a span of 10% (or 1)."""
-    low, high = min(values), max(values)
-    pad = (high - low) * 0.05 if high > low else abs(low) * 0.1 or 0.5
-    return low - pad, high + pad
-
-
-def _step_ticks(low: float, high: float, count: int = 6) -> list[int]:
-    """Up to ``count`` + 1 integer steps in ``[low, high]``, 1, 2 or 5 times 10^k apart."""
-    raw = max((high - low) / count, 1.0)
-    magnitude = 10 ** math.floor(math.log10(raw))
-    spacing = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-    first = math.ceil(low / spacing) * spacing
-    return [int(first + i * spacing) for i in range(count + 1) if first + i * spacing <= high]

@@ -15,6 +15,7 @@ import os
 from xml.sax.saxutils import escape
 
 from megatron_rl.atomic_io import atomic_write_text
+from megatron_rl.svg_axes import padded_span, step_ticks
 from megatron_rl.train.run_logger import read_metrics
 
 WIDTH, PANEL_HEIGHT = 640, 200
@@ -58,8 +59,8 @@ def plot_learning_curve(
 def _panel(key: str, points: list[tuple[int, float]], top: float, x_label: bool) -> list[str]:
     """SVG elements of one panel: frame, grid with tick labels, the metric's line."""
     width, height = WIDTH - LEFT - RIGHT, PANEL_HEIGHT - 34
-    s0, s1 = _span([s for s, _ in points])
-    v0, v1 = _span([v for _, v in points])
+    s0, s1 = padded_span([s for s, _ in points])
+    v0, v1 = padded_span([v for _, v in points])
 
     def x(step: float) -> float:
         return LEFT + (step - s0) / (s1 - s0) * width
@@ -75,7 +76,7 @@ def _panel(key: str, points: list[tuple[int, float]], top: float, x_label: bool)
                    f'y2="{y(value):.1f}" stroke="#ddd"/>')  # fmt: skip
         out.append(f'<text x="{LEFT - 4}" y="{y(value) + 4:.1f}" text-anchor="end">'
                    f"{value:.3g}</text>")  # fmt: skip
-    for step in _step_ticks(s0, s1):
+    for step in step_ticks(s0, s1):
         out.append(f'<text x="{x(step):.1f}" y="{top + height + 13}" text-anchor="middle">'
                    f"{step}</text>")  # fmt: skip
     coords = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in points)
@@ -90,25 +91,6 @@ def _panel(key: str, points: list[tuple[int, float]], top: float, x_label: bool)
         out.append(f'<text x="{LEFT + width / 2}" y="{top + height + 27}" '
                    'text-anchor="middle">step</text>')  # fmt: skip
     return out
-
-
-def _span(values: list[float]) -> tuple[float, float]:
-    """``(low, high)`` around ``values``, 5% padded; a single value gets a unit-wide span."""
-    low, high = min(values), max(values)
-    if high == low:
-        pad = abs(low) * 0.1 or 0.5
-        return low - pad, high + pad
-    pad = (high - low) * 0.05
-    return low - pad, high + pad
-
-
-def _step_ticks(low: float, high: float, count: int = 6) -> list[int]:
-    """Up to ``count`` round integer steps inside ``[low, high]`` (1, 2 or 5 times 10^k apart)."""
-    raw = max((high - low) / count, 1.0)
-    magnitude = 10 ** math.floor(math.log10(raw))
-    spacing = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
-    first = math.ceil(low / spacing) * spacing
-    return [int(first + i * spacing) for i in range(count + 1) if first + i * spacing <= high]
 
 
 def _finite(value) -> bool:
