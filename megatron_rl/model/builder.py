@@ -35,7 +35,7 @@ from transformers import Qwen3MoeConfig
 from megatron_rl.backend import cuda_available
 from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_module_in_spec
 from megatron_rl.backend.without_te import define_missing_te_symbols
-from megatron_rl.model.config import ModelOptions, rope_theta, to_transformer_config
+from megatron_rl.model.config import ModelOptions, to_transformer_config
 from megatron_rl.model.glm4_moe import rotary_percent
 from megatron_rl.model.grouped_experts import TorchGroupedMLP
 from megatron_rl.model.mla_attention import (
@@ -44,6 +44,7 @@ from megatron_rl.model.mla_attention import (
     without_te_mla,
 )
 from megatron_rl.model.presets import load_hf_config, model_family
+from megatron_rl.model.rope import rope_theta
 from megatron_rl.moe_layers import num_routed_experts
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,10 @@ def build_model(
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope",
-        rotary_base=rope_theta(hf_config),
+        # unused with MLA, whose attention builds its own rope (YaRN too: deepseek_v3.yarn_fields)
+        rotary_base=rope_theta(
+            hf_config, ("default", "yarn") if config.multi_latent_attention else ("default",)
+        ),
         # GLM-4.5 rotates the first part of each head only (see megatron_rl.model.glm4_moe)
         rotary_percent=rotary_percent(hf_config) if model_family(hf_config) == "glm4_moe" else 1.0,
     )

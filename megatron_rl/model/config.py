@@ -50,17 +50,6 @@ def grad_accum_fusion_available() -> bool:
     return found
 
 
-def rope_theta(hf_config: Qwen3MoeConfig) -> float:
-    """The rope base, from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(f"rope_type={params['rope_type']!r} is not supported; only 'default'")
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("the HF config has neither rope_parameters['rope_theta'] nor rope_theta")
-    return float(theta)
-
-
 def shared_expert_size(hf_config: Qwen3MoeConfig) -> int | None:
     """Shared-expert FFN size when the config has shared experts (Qwen2-MoE style), else None."""
     size = getattr(hf_config, "shared_expert_intermediate_size", None)

@@ -15,6 +15,16 @@ The DeepSeek-V3 layer (arXiv:2412.19437, sections 2.1 and 2.1.2):
 
 Multi-token-prediction layers (``num_nextn_predict_layers``) are not built: their weights are
 skipped on load (`megatron_rl.model.conversion.names_deepseek.mtp_hf_names`).
+
+YaRN (arXiv:2309.00071; the release's ``rope_scaling``: factor 40 over 4,096 positions) maps to
+megatron's MLA YaRN fields (`yarn_fields`). With s the factor, m(s, a) = 0.1 a ln s + 1 (1 for
+s <= 1), d the rope dims and rho = 2 pi / theta_i the rotations over the original length L:
+inv_freq_i = theta_i (1 - r_i) + theta_i / s r_i, r_i the linear ramp over the dims
+[floor(d ln(L / (2 pi beta_fast)) / (2 ln base)), ceil(... beta_slow ...)]; cos and sin are
+multiplied by m(s, mscale) / m(s, mscale_all_dim) and the softmax scale is
+m(s, mscale_all_dim)^2 / sqrt(nope + rope). HF (`_compute_yarn_parameters`, `yarn_apply_mscale`)
+and megatron (`YarnRotaryEmbedding`, `MLASelfAttention`) compute these alike except where
+`check_yarn` refuses.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 from transformers import DeepseekV3Config
+
+from megatron_rl.model.rope import rope_theta
 
 # HF's group score sums the best two experts of a group; megatron's the best topk / group_topk
 HF_GROUP_SCORE_TOPN = 2
@@ -32,12 +44,7 @@ _HF_LATENT_NORM_EPS = 1e-6
 def check_deepseek_v3(hf_config: DeepseekV3Config) -> None:
     """ValueError naming the field for what megatron-core cannot compute as HF does."""
     cfg = hf_config
-    params = getattr(cfg, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"rope_parameters['rope_type']={params['rope_type']!r} is not supported for "
-            "deepseek_v3 yet (YaRN is not mapped); use 'default'"
-        )
+    yarn_fields(cfg)  # refuses rope types and YaRN parameters megatron computes otherwise
     if not getattr(cfg, "rope_interleave", True):
         raise ValueError(
             "rope_interleave=False is not supported: megatron's MLA rope is interleaved"
@@ -87,10 +94,67 @@ def deepseek_v3_fields(hf_config: DeepseekV3Config) -> dict[str, Any]:
         qk_head_dim=cfg.qk_nope_head_dim,
         qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
-        rope_type="rope",
-        rotary_base=float(cfg.rope_parameters["rope_theta"]),
+        **yarn_fields(cfg),
         **sigmoid_router_fields(cfg),
     )
+
+
+def yarn_fields(hf_config: DeepseekV3Config) -> dict[str, Any]:
+    """`MLATransformerConfig`'s rope fields for ``rope_parameters`` (``rope_scaling`` in the
+    release's config.json): ``rope_type`` "rope" for HF's "default", "yarn" with its factor,
+    original length, betas and mscales for "yarn"; ValueError naming the field otherwise."""
+    theta = rope_theta(hf_config, rope_types=("default", "yarn"))
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") == "default":
+        return dict(rope_type="rope", rotary_base=theta)
+    check_yarn(params)
+    mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
+    return dict(
+        rope_type="yarn",
+        rotary_base=theta,
+        rotary_scaling_factor=float(params["factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings") or hf_config.max_position_embeddings
+        ),
+        beta_fast=float(params.get("beta_fast") or 32.0),  # HF's defaults for absent or 0
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        # HF ignores mscale without mscale_all_dim (attention factor m(s, 1)): megatron's
+        # m(s, mscale) / m(s, 0) equals it with mscale 1
+        mscale=float(params["mscale"]) if mscale_all_dim else 1.0,
+        mscale_all_dim=mscale_all_dim,
+    )
+
+
+def check_yarn(params: dict[str, Any]) -> None:
+    """ValueError naming the ``rope_parameters`` entry where HF's YaRN and megatron's differ."""
+    if params.get("factor") is None:
+        raise ValueError(
+            "rope_parameters['factor'] is missing for rope_type 'yarn': HF's MLA softmax scale "
+            "needs it; set it (DeepSeek-V3's is 40)"
+        )
+    if params.get("attention_factor") is not None:
+        raise ValueError(
+            f"rope_parameters['attention_factor']={params['attention_factor']} is not supported: "
+            "megatron derives the YaRN attention factor from factor, mscale and mscale_all_dim; "
+            "remove it and give mscale / mscale_all_dim instead"
+        )
+    if params.get("mscale_all_dim") and not params.get("mscale"):
+        raise ValueError(
+            f"rope_parameters['mscale']={params.get('mscale')!r} with mscale_all_dim="
+            f"{params['mscale_all_dim']} is not supported: HF's attention factor is then "
+            "m(factor, 1), megatron's m(factor, mscale) / m(factor, mscale_all_dim); set mscale "
+            "(DeepSeek-V3's is 1.0) or leave mscale_all_dim out"
+        )
+    if not params.get("truncate", True):
+        raise ValueError(
+            "rope_parameters['truncate']=False is not supported: megatron's MLA YaRN always "
+            "rounds the correction range to integers; set truncate=True (HF's default)"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"rope_parameters['partial_rotary_factor']={params['partial_rotary_factor']} is not "
+            "supported: megatron's MLA YaRN rotates all qk_rope_head_dim dims; set it to 1.0"
+        )
 
 
 def sigmoid_router_fields(cfg) -> dict[str, Any]:

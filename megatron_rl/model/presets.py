@@ -134,10 +134,10 @@ _DEEPSEEK_PRESETS: dict[str, dict[str, Any]] = {
 # deepseek-ai/DeepSeek-V3's config.json shape (671B; the same numbers as transformers 5.24's
 # DeepseekV3Config defaults): 61 layers, the first 3 dense, MLA with q/kv LoRA ranks 1536 / 512,
 # 128 heads of nope 128 + rope 64 (values 128), 256 routed experts top-8 in 8 groups (best 4), one
-# shared expert. Two departures from the published file, both to fit what megatron_rl builds:
-# rope is the default (the release's YaRN scaling, factor 40 over 4,096 positions, is not mapped
-# yet; see megatron_rl.model.deepseek_v3) and the multi-token-prediction layer is not built.
-# max_position_embeddings is the release's 163,840. A config only: no weights.
+# shared expert; the release's YaRN rope_scaling (factor 40 over 4,096 original positions, betas
+# 32 / 1, mscale and mscale_all_dim 1; megatron_rl.model.deepseek_v3.yarn_fields) and its
+# max_position_embeddings 163,840. One departure from the published file: the
+# multi-token-prediction layer is not built. A config only: no weights.
 _DEEPSEEK_PRESETS["deepseek-v3"] = dict(
     vocab_size=129280,
     hidden_size=7168,
@@ -163,6 +163,15 @@ _DEEPSEEK_PRESETS["deepseek-v3"] = dict(
     max_position_embeddings=163840,
     rms_norm_eps=1e-6,
     rope_theta=10_000.0,
+    rope_scaling=dict(
+        rope_type="yarn",
+        factor=40.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
     tie_word_embeddings=False,
 )
 
@@ -250,6 +259,7 @@ def preset_config(name: str, **overrides: Any) -> HFConfig:
     table, config_class = _CONFIG_CLASSES[name]
     kwargs = {**table[name], **overrides}
     rope_parameters = {"rope_type": "default", "rope_theta": kwargs.pop("rope_theta")}
+    rope_parameters.update(kwargs.pop("rope_scaling", {}))  # the release's config.json name
     if "partial_rotary_factor" in kwargs:  # transformers 5 keeps it in rope_parameters
         rope_parameters["partial_rotary_factor"] = kwargs.pop("partial_rotary_factor")
     kwargs.setdefault("rope_parameters", rope_parameters)

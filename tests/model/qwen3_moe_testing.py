@@ -38,10 +38,10 @@ def make_hf_checkpoint(folder: str, config: Qwen3MoeConfig, seed: int = 0) -> Qw
     return model
 
 
-def fixed_input_ids(vocab_size: int, seed: int = 1) -> torch.Tensor:
-    """Token ids [BATCH, SEQ_LEN]."""
+def fixed_input_ids(vocab_size: int, seed: int = 1, seq_len: int = SEQ_LEN) -> torch.Tensor:
+    """Token ids [BATCH, seq_len]."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (BATCH, SEQ_LEN), generator=generator)
+    return torch.randint(0, vocab_size, (BATCH, seq_len), generator=generator)
 
 
 def hf_reference(model: Qwen3MoeForCausalLM, input_ids_BT: torch.Tensor) -> dict:

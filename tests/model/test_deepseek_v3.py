@@ -3,7 +3,7 @@ own `DeepseekV3ForCausalLM` computes, conversion round-trips exactly, and bad in
 
 The parity configs are not the preset's: other sizes, group-limited routing with three groups,
 two shared experts, a random score-correction bias (so the bias changes the choice), random norm
-weights, and a variant without the query LoRA.
+weights, a variant without the query LoRA, and one with YaRN rope scaling unlike the release's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from megatron_rl.model.conversion import load_checkpoint, save_checkpoint
 from megatron_rl.model.conversion.safetensors_io import CheckpointReader
 from megatron_rl.model.conversion.seeded_init import init_from_seed
 from megatron_rl.model.options import ModelOptions
+from megatron_rl.rollout import InProcessEngine
 
 ATOL = 1e-5
 
@@ -53,6 +54,22 @@ PARITY_CONFIG = dict(
     tie_word_embeddings=False,
 )
 NO_Q_LORA = dict(PARITY_CONFIG, q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=3)
+# YaRN unlike the release's (factor 40 over 4,096, betas 32 / 1, mscales 1 / 1): factor 4 over 16
+# original positions, betas that put a partial ramp on the 8 rope frequencies (1, .75, .5, then
+# .25 of the base), mscale and mscale_all_dim that differ from 1 and from each other (so both the
+# cos/sin factor and MLA's softmax scale move), 40 positions
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 1000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 2.0,
+    "beta_slow": 0.25,
+    "mscale": 0.8,
+    "mscale_all_dim": 0.6,
+}
+YARN_CONFIG = dict(qk_rope_head_dim=16, rope_parameters=YARN)
+YARN_SEQ_LEN = 40
 
 
 def hidden_config(**overrides) -> DeepseekV3Config:
@@ -103,6 +120,77 @@ def test_ws1_logits_and_routing_match_transformers(ws1, tmp_path, overrides, see
         batch, seq = input_ids.shape
         want_SB = want.reshape(batch, seq, -1).transpose(0, 1).reshape(batch * seq, -1)
         assert torch.equal(got, want_SB), f"routing differs in MoE layer {layer}"
+
+
+@pytest.mark.slow
+def test_ws1_yarn_logits_match_transformers_and_survive_export_to_the_engine(ws1, tmp_path):
+    """YaRN parity with HF's own model (positions past the original 16), where default rope on
+    the same weights is far off; the HF export's config.json keeps the YaRN parameters and the
+    in-process engine loaded from it computes the same logits."""
+    config = hidden_config(**YARN_CONFIG)
+    hf_model = make_deepseek_checkpoint(tmp_path / "hf", config, seed=13)
+    input_ids = fixed_input_ids(config.vocab_size, seed=14, seq_len=YARN_SEQ_LEN)
+    reference = hf_reference(hf_model, input_ids)
+    default_rope = hidden_config(**YARN_CONFIG | {"rope_parameters": {"rope_theta": 1000.0}})
+    unscaled = DeepseekV3ForCausalLM(default_rope).eval()
+    unscaled.load_state_dict(hf_model.state_dict())
+    unscaled_diff = (hf_reference(unscaled, input_ids)["logits"] - reference["logits"]).abs()
+
+    tc = to_transformer_config(config, ModelOptions(), use_te=False)
+    assert (tc.rope_type, tc.rotary_scaling_factor, tc.original_max_position_embeddings) == (
+        "yarn",
+        4.0,
+        16,
+    )
+    model = build_model(config)
+    load_checkpoint(model, tmp_path / "hf", config)
+    model.eval()
+    result = megatron_forward(model, input_ids)
+    diff = (result["logits"] - reference["logits"]).abs().max().item()
+    print(f"deepseek_v3 yarn max |logits diff| {diff:.3e}, default rope {unscaled_diff.max():.3e}")
+    assert diff <= ATOL, f"max |logits diff| {diff:.3e}"
+    assert unscaled_diff.max().item() > 100 * ATOL  # the scaling matters at this length
+
+    save_checkpoint(model, config, tmp_path / "export", fmt="hf")
+    assert load_hf_config(tmp_path / "export").rope_parameters == config.rope_parameters
+    engine = InProcessEngine.from_pretrained(tmp_path / "export")
+    assert engine.model.config.rope_parameters == config.rope_parameters
+    with torch.no_grad():
+        engine_logits = engine.model(input_ids=input_ids).logits
+    assert (engine_logits - reference["logits"]).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize(
+    ("rope", "match"),
+    [
+        ({"rope_type": "longrope"}, "rope_type'\\]='longrope' is not supported for deepseek_v3"),
+        ({"factor": None}, "'factor'\\] is missing"),
+        ({"attention_factor": 1.1}, "'attention_factor'\\]=1.1 is not supported"),
+        ({"mscale": None}, "'mscale'\\]=None with mscale_all_dim=0.6"),
+        ({"truncate": False}, "'truncate'\\]=False is not supported"),
+    ],
+)
+def test_yarn_that_megatron_computes_otherwise_is_refused_by_field(ws1, rope, match):
+    config = hidden_config(**YARN_CONFIG)
+    config.rope_parameters = {**YARN, **rope}
+    with pytest.raises(ValueError, match=match):
+        build_model(config)
+
+
+def test_yarn_mscale_without_mscale_all_dim_is_hf_s_attention_factor(ws1):
+    """HF ignores mscale when mscale_all_dim is 0 or absent (attention factor m(s, 1)); megatron
+    takes the ratio m(s, mscale) / m(s, mscale_all_dim), which is m(s, 1) with mscale 1."""
+    config = hidden_config(**YARN_CONFIG)
+    config.rope_parameters = {**YARN, "mscale_all_dim": 0.0}
+    tc = to_transformer_config(config, ModelOptions(), use_te=False)
+    assert (tc.mscale, tc.mscale_all_dim) == (1.0, 0.0)
+
+
+def test_deepseek_v3_preset_uses_the_release_yarn(ws1):
+    tc = to_transformer_config(preset_config("deepseek-v3"), ModelOptions(), use_te=False)
+    release = (tc.rope_type, tc.rotary_scaling_factor, tc.original_max_position_embeddings)
+    assert release == ("yarn", 40.0, 4096)
+    assert (tc.beta_fast, tc.beta_slow, tc.mscale, tc.mscale_all_dim) == (32.0, 1.0, 1.0, 1.0)
 
 
 def test_hf_to_megatron_to_hf_round_trip_is_bit_exact(ws1, tmp_path):

@@ -25,14 +25,19 @@ ARCHITECTURE_FIELDS = (
 )  # fmt: skip
 
 
-def test_deepseek_v3_preset_is_the_published_shape_without_mtp_and_yarn():
+def test_deepseek_v3_preset_is_the_published_shape_and_yarn_without_mtp():
     """transformers' DeepseekV3Config defaults are DeepSeek-V3's published config.json values:
-    the preset differs only in the multi-token-prediction layer (not built) and positions."""
+    the preset differs only in the multi-token-prediction layer (not built), positions and the
+    release's YaRN rope_scaling, which the defaults leave out."""
     preset, published = preset_config("deepseek-v3"), DeepseekV3Config()
     for field in ARCHITECTURE_FIELDS:
         assert getattr(preset, field) == getattr(published, field), field
     assert preset.num_nextn_predict_layers == 0
-    assert preset.rope_parameters["rope_type"] == "default"
+    assert preset.rope_parameters == {
+        "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0,
+        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0,
+    }  # fmt: skip
     assert preset.max_position_embeddings == 163840
 
 

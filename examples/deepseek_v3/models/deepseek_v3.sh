@@ -7,9 +7,9 @@
 # (megatron_rl/model/presets.py) has the same shape, for the memory plan.
 #
 # Two things the checkpoints must give, both checked when the trainer starts, not here:
-# - HF_CKPT, the trainer's, is a bf16 copy of the weights whose config.json has default rope:
-#   the release's YaRN rope_scaling (factor 40) is not mapped by megatron_rl.model.deepseek_v3
-#   yet, which refuses it naming the field; the multi-token-prediction layer is skipped on load.
+# - HF_CKPT, the trainer's, is a bf16 copy of the weights with the release's config.json: its
+#   YaRN rope_scaling (factor 40) is mapped by megatron_rl.model.deepseek_v3.yarn_fields; the
+#   multi-token-prediction layer is skipped on load.
 # - SERVE_CKPT, the servers', is the block-FP8 release (quantization_config fp8, 128x128 blocks):
 #   671B in bf16 is 1.25 TiB, more than one 8 x 141-GiB node holds, so each server node serves
 #   FP8 (78 GiB of weights per GPU at TP 8) and every weight sync sends the linear weights
