@@ -45,6 +45,7 @@ from megatron_rl.model.mla_attention import (
 )
 from megatron_rl.model.presets import load_hf_config, model_family
 from megatron_rl.model.rope import rope_theta
+from megatron_rl.model.router_padding import mask_padding_in_expert_bias
 from megatron_rl.moe_layers import num_routed_experts
 
 logger = logging.getLogger(__name__)
@@ -145,6 +146,7 @@ def build_model(
     )
     if config.multi_latent_attention:
         shard_mla_kv_down_proj_grads(model)  # k_rope's gradient under TP (see mla_attention)
+    mask_padding_in_expert_bias(model)  # padded tokens out of the bias counts (router_padding)
     device = compute_device()
     if device.type == "cuda":
         model.cuda(device)

@@ -27,11 +27,22 @@ from torch.autograd.function import once_differentiable
 DEFAULT_CHUNK_TOKENS = 4096
 
 
-def forward_logits(model, tokens_BS: torch.Tensor) -> torch.Tensor:
-    """This rank's vocabulary shard of the logits, ``[b, s, V / tp]``."""
+def forward_logits(
+    model, tokens_BS: torch.Tensor, padding_mask_BS: torch.Tensor | None = None
+) -> torch.Tensor:
+    """This rank's vocabulary shard of the logits, ``[b, s, V / tp]``.
+
+    ``padding_mask_BS`` (bool, True at padded positions; `megatron_rl.model.router_padding.
+    padding_mask_BS`) goes to megatron's MoE routers, which leave those tokens out of their
+    expert-bias counts and aux losses; the logits do not depend on it."""
     batch, seq = tokens_BS.shape
     position_ids = torch.arange(seq, device=tokens_BS.device).expand(batch, seq)
-    return model(input_ids=tokens_BS, position_ids=position_ids, attention_mask=None)
+    return model(
+        input_ids=tokens_BS,
+        position_ids=position_ids,
+        attention_mask=None,
+        padding_mask=padding_mask_BS,
+    )
 
 
 def token_logprobs(

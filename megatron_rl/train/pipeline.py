@@ -32,11 +32,20 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.backend import cuda_available
+from megatron_rl.model.router_padding import padding_mask_BS
 from megatron_rl.routing.passes import ReplayPasses
 from megatron_rl.train.batch import MicroBatch
 from megatron_rl.train.logprobs import forward_logits
 
 OnLogits = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+def micro_batch_logits(model, mb: MicroBatch) -> torch.Tensor:
+    """`forward_logits` of ``mb`` with its padding mask (positions past each row's length), so
+    that the MoE routers' statistics leave the padded tokens out whatever the layout pads."""
+    tokens_BS = mb.tokens_BS
+    mask_BS = padding_mask_BS(model, mb.lengths, tokens_BS.shape[1], tokens_BS.device)
+    return forward_logits(model, tokens_BS, mask_BS)
 
 
 def single_stage_pass(
@@ -53,13 +62,13 @@ def single_stage_pass(
     for i, (mb, key) in enumerate(zip(micro_batches, keys, strict=True)):
         if phase == "behaviour":
             with replay.behaviour(key, mb.routed()):
-                on_logits(i, forward_logits(model, mb.tokens_BS))
+                on_logits(i, micro_batch_logits(model, mb))
             continue
         # gradients are reduced once, after the last micro-batch (overlapped with its backward
         # under --overlap-grad-reduce)
         no_sync = model.no_sync() if i < last else contextlib.nullcontext()
         with no_sync, replay.update(key, mb.routed()):
-            logits = forward_logits(model, mb.tokens_BS)
+            logits = micro_batch_logits(model, mb)
             loss = on_logits(i, logits)
             # a skipped micro-batch still runs a (zero) backward: under --overlap-grad-reduce the
             # last one's backward launches the gradient reduce-scatters that every data-parallel
@@ -91,7 +100,7 @@ def pipeline_pass(
             i = next(data_iterator)
             mb = micro_batches[i]
             before_forward(keys[i], mb.routed())
-            output = forward_logits(stage_model, mb.tokens_BS)
+            output = micro_batch_logits(stage_model, mb)
             after_forward(keys[i], mb.routed())
 
             def loss_func(logits):

@@ -1,13 +1,14 @@
-"""DeepSeek-V3 and GLM-4.5 train the world-1 model at a pipeline layout, with R2 and R3.
+"""DeepSeek-V3 and GLM-4.5 train the world-1 model at PP 2 and at TP 2 + SP, with R2 and R3.
 
 The real CLI from the seeded initial weights (`init_from_seed`) of the tiny presets: world 1,
 then under torchrun ``tiny-deepseek`` (multi-latent attention) and ``tiny-glm`` (partial-rotary
-GQA) at PP 2 with uneven stages, each with R2 and with R3 replay, two steps of one update each,
-saved as torch_dist checkpoints. Both steps' grad norms must equal world 1's (relative 1e-5),
-every replay phase must agree in full with the router's own choice, and every weight after
-step 2 must be within 1% of an Adam step of world 1's (the layouts sum their reductions in other
-orders; see tests/train/test_layout_independent_init.py), the routers' ``expert_bias`` included
-(moved by megatron's aux-loss-free update from the replayed routes' counts).
+GQA) at PP 2 with uneven stages and at TP 2 + SP (padded micro-batches), each with R2 and with
+R3 replay, two steps of one update each, saved as torch_dist checkpoints. Both steps' grad norms
+must equal world 1's (relative 1e-5), every replay phase must agree in full with the router's
+own choice, and every weight after step 2 must be within 1% of an Adam step of world 1's (the
+layouts sum their reductions in other orders; see tests/train/test_layout_independent_init.py),
+the routers' ``expert_bias`` included (moved by megatron's aux-loss-free update from the
+replayed routes' counts, padded tokens left out: megatron_rl/model/router_padding.py).
 """
 
 from __future__ import annotations
@@ -28,22 +29,25 @@ BATCH = (
     "--global-batch-size", "16", "--max-response-length", "4", "--lr", str(LR),
 )  # fmt: skip
 PP2 = ("--pipeline-model-parallel-size", "2")
+TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 # model -> (torchrun ranks, layout flags): data parallel stays 1, so the same samples are drawn
 # as at world 1. tiny-glm's first stage holds dense layers only: it records no routes, and R2
 # and R3 must still train there (it once failed with "stack expects a non-empty TensorList").
-# Not TP (+ SP, which megatron's MoE dispatcher needs under TP): SP pads each micro-batch to a
-# multiple of TP and megatron's aux-loss-free bias update counts the padded tokens' routes too
-# (the trainer passes no padding mask), so expert_bias moves otherwise than at world 1 and, under
-# R3, the engine then routes step 2 otherwise (TP 2 + SP x EP 2: step-2 grad norm 1.23832 against
-# 1.23782). MLA under TP is proven at the model level (tests/model/
-# test_moe_families_sharded_gradients.py).
+# TP 2 + SP (which megatron's MoE dispatcher needs under TP) pads each micro-batch to a multiple
+# of TP; the padded tokens' routes stay out of the aux-loss-free bias counts (the trainer's padding
+# mask, megatron_rl/model/router_padding.py). Without it expert_bias moved otherwise than at world
+# 1 and, under R3, the engine routed step 2 otherwise (TP 2 + SP x EP 2: step-2 grad norm 1.23832
+# against 1.23782).
 LAYOUTS = {
     # 3 layers (1 dense, 2 MoE): stage 1 holds the dense and one MoE layer
     "tiny-deepseek": (2, (*PP2, "--decoder-first-pipeline-num-layers", "2")),
     # 4 layers (2 dense, 2 MoE): stage 1 holds the 2 dense layers only, stage 2 both MoE layers
     "tiny-glm": (2, (*PP2, "--decoder-first-pipeline-num-layers", "2")),
+    # TP 2 + SP: each micro-batch padded to a multiple of 2 positions (odd prompt lengths)
+    "tiny-deepseek-tp2-sp": (2, TP2_SP),
+    "tiny-glm-tp2-sp": (2, TP2_SP),
 }
-CASES = [(model, replay) for model in LAYOUTS for replay in ("r2", "r3")]
+CASES = [(layout, replay) for layout in LAYOUTS for replay in ("r2", "r3")]
 
 
 def _train(tmp: Path, name: str, model: str, nproc: int, flags: tuple[str, ...]) -> dict:
@@ -117,10 +121,11 @@ def _assert_same_run(staged: dict, world1: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize(("model", "replay"), CASES)
-def test_moe_family_layout_trains_the_world1_model_with_replay(tmp_path, model, replay):
+@pytest.mark.parametrize(("layout", "replay"), CASES)
+def test_moe_family_layout_trains_the_world1_model_with_replay(tmp_path, layout, replay):
+    model = layout.removesuffix("-tp2-sp")
     replay_flags = ("--routing-replay", replay)
     world1 = _train(tmp_path, "world1", model, 1, replay_flags)
-    nproc, flags = LAYOUTS[model]
+    nproc, flags = LAYOUTS[layout]
     staged = _train(tmp_path, "layout", model, nproc, (*flags, *replay_flags))
     _assert_same_run(staged, world1)
