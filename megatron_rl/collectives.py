@@ -75,6 +75,8 @@ def all_ranks_agree(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
 
 
 def _reduce_flag(flag: bool, op, group) -> bool:
+    if dist.get_world_size(group) == 1:  # a reduction over one rank is the flag itself
+        return bool(flag)
     value = torch.tensor([int(bool(flag))], dtype=torch.int32, device=group_device(group))
     dist.all_reduce(value, op=op, group=group)
     return bool(value.item())

@@ -1,6 +1,6 @@
 """Per-token log-probs (and entropy) of the taken tokens from a megatron GPT model.
 
-``log pi(y_t) = log softmax(logits_{t-1} / T)[y_t]`` computed with megatron's
+``log pi(y_t) = log softmax(logits_{t-1} / T)[y_t]`` computed with the steps of megatron's
 ``vocab_parallel_cross_entropy`` on the tensor-parallel vocabulary shards. ``T`` is the rollout
 temperature, so the trainer's numbers are comparable to the engines' (SGLang's convention:
 log-probs of ``softmax(logits / T)``); ``T`` of 0 or 1 leaves the logits unscaled.
@@ -21,7 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from megatron.core.tensor_parallel.utils import VocabUtility
 from torch.autograd.function import once_differentiable
 
 DEFAULT_CHUNK_TOKENS = 4096
@@ -57,9 +59,9 @@ def token_logprobs(
     ``logits_BSv`` is this rank's vocabulary shard ``[b, s, V / tp]`` (any float dtype);
     ``tokens_BS`` the full-vocabulary ids ``[b, s]``. Per tile of at most ``chunk_tokens``
     positions (see ``_tiles``) a fresh float32 copy ``[c, r, V / tp]`` of ``logits / T`` goes
-    through megatron's ``vocab_parallel_cross_entropy`` (max, ``sum exp`` and the target logit
-    all-reduced over the tensor-parallel group), which returns ``-log p``. Its kernel works in
-    place on that copy, so ``logits_BSv`` itself is never modified.
+    through the steps of megatron's ``vocab_parallel_cross_entropy`` (``_tile_nll``: max,
+    ``sum exp`` and the target logit all-reduced over the tensor-parallel group), which give
+    ``-log p``. They work in place on that copy, so ``logits_BSv`` itself is never modified.
 
     Differentiable in ``logits_BSv``. The graph keeps only the logits (already alive as the
     model's output) and the tokens: backward recomputes each tile's softmax with the same kernel,
@@ -127,11 +129,10 @@ class _TokenLogprobs(torch.autograd.Function):
         batch, seq = tokens_BS.shape
         positions = max(seq - 1, 0)
         out_BT = torch.empty(batch, positions, dtype=torch.float32, device=logits_BSv.device)
+        group = _tp_group()
         for rows, cols in _tiles(batch, positions, chunk_tokens):
             logits_TBv = _float32_tile(logits_BSv, rows, cols, temperature)
-            nll_TB = tensor_parallel.vocab_parallel_cross_entropy(
-                logits_TBv, _target_tile(tokens_BS, rows, cols)
-            )
+            nll_TB, _ = _tile_nll(logits_TBv, _target_tile(tokens_BS, rows, cols), group)
             out_BT[rows, cols] = -nll_TB.transpose(0, 1)
             del logits_TBv, nll_TB  # before the next tile is allocated
         return out_BT
@@ -146,21 +147,61 @@ class _TokenLogprobs(torch.autograd.Function):
         positions = max(seq - 1, 0)
         grad_BSv = torch.empty_like(logits_BSv)  # the tiles below cover every row of [:, :-1]
         grad_BSv[:, positions:].zero_()  # the last position predicts nothing
+        group = _tp_group()
         for rows, cols in _tiles(batch, positions, ctx.chunk_tokens):
-            with torch.enable_grad():
-                logits_TBv = _float32_tile(logits_BSv, rows, cols, temperature).requires_grad_()
-                nll_TB = tensor_parallel.vocab_parallel_cross_entropy(
-                    logits_TBv, _target_tile(tokens_BS, rows, cols)
-                )
-                # d(log p)/d(nll) = -1; megatron's backward reuses the tile as the gradient
-                (grad_TBv,) = torch.autograd.grad(
-                    nll_TB, logits_TBv, grad_outputs=-grad_BT[rows, cols].transpose(0, 1)
-                )
+            logits_TBv = _float32_tile(logits_BSv, rows, cols, temperature)
+            _, saved = _tile_nll(logits_TBv, _target_tile(tokens_BS, rows, cols), group)
+            # d(log p)/d(nll) = -1; the softmax tile becomes the gradient in place
+            grad_TBv = _tile_nll_grad(saved, -grad_BT[rows, cols].transpose(0, 1))
             if _scales(temperature):
                 grad_TBv.div_(temperature)  # as the autograd of ``logits / T`` would
             grad_BSv[rows, cols].copy_(grad_TBv.transpose(0, 1))  # casts to the logits' dtype
-            del logits_TBv, nll_TB, grad_TBv
+            del logits_TBv, saved, grad_TBv
         return grad_BSv, None, None, None
+
+
+def _tile_nll(logits_TBv: torch.Tensor, target_TB: torch.Tensor, group) -> tuple:
+    """``-log softmax(logits)[target]`` ``[c, r]`` of one float32 tile, and what its gradient
+    needs; ``logits_TBv`` becomes the softmax in place.
+
+    The forward of megatron's ``_VocabParallelCrossEntropy`` step by step (its own
+    ``VocabParallelCrossEntropy`` kernels, so the arithmetic is megatron's), with the three
+    all-reduces over the tensor-parallel ``group`` skipped when it is None (TP = 1: a reduction
+    over one rank is the identity; at this model size the three gloo calls per tile cost more
+    than the tile's arithmetic).
+    """
+    logits_TBv, max_TB = VocabParallelCrossEntropy.calculate_logits_max(logits_TBv)
+    if group is not None:
+        torch.distributed.all_reduce(max_TB, op=torch.distributed.ReduceOp.MAX, group=group)
+    start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
+        logits_TBv.size(-1),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+    )
+    target_mask, masked_target_1d, predicted_TB, sum_exp_TB, exp_TBv = (
+        VocabParallelCrossEntropy.calculate_predicted_logits(
+            logits_TBv, target_TB, max_TB, start, end
+        )
+    )
+    if group is not None:
+        torch.distributed.all_reduce(predicted_TB, op=torch.distributed.ReduceOp.SUM, group=group)
+        torch.distributed.all_reduce(sum_exp_TB, op=torch.distributed.ReduceOp.SUM, group=group)
+    softmax_TBv, nll_TB = VocabParallelCrossEntropy.calculate_cross_entropy_loss(
+        exp_TBv, predicted_TB, sum_exp_TB
+    )
+    return nll_TB, (softmax_TBv, target_mask, masked_target_1d)
+
+
+def _tile_nll_grad(saved: tuple, grad_nll_TB: torch.Tensor) -> torch.Tensor:
+    """``d nll / d logits`` ``[c, r, v]`` times ``grad_nll_TB``: megatron's backward of the same
+    function (``softmax - onehot(target)`` on this shard), written into the saved softmax."""
+    softmax_TBv, target_mask, masked_target_1d = saved
+    grad_2d, arange_1d, softmax_update, grad_TBv = (
+        VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax_TBv, target_mask)
+    )
+    return VocabParallelCrossEntropy.calculate_gradients(
+        grad_2d, arange_1d, masked_target_1d, softmax_update, grad_TBv, grad_nll_TB
+    )
 
 
 def _check_chunk_tokens(chunk_tokens) -> None:

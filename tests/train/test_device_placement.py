@@ -105,17 +105,18 @@ def test_the_guard_tells_the_model_device_from_the_host_by_provenance():
     ids=["grpo", "kl_reference_rollout_correction_gspo"],
 )
 def test_train_on_keeps_every_tensor_on_the_model_device(make_trainer, overrides):
-    """Old-logprob pass, losses, backward, megatron's optimizer step and the trainer's collective
-    run under the guard without one tensor on the wrong device."""
+    """Old-logprob pass, losses, backward and megatron's optimizer step run under the guard
+    without one tensor on the wrong device. (At world size 1 the trainer's votes and the
+    log-probs' TP reductions are over one rank and call no collective; the collectives are
+    checked against a non-CPU group device below.)"""
     trainer, samples = make_trainer(**overrides)
     for i, sample in enumerate(samples):  # mixed advantages: a non-zero gradient
         sample.advantage = (-1.0) ** i
     with _guard(trainer) as guard:
         metrics = trainer.train_on(samples)
     assert guard.violations == []
-    checked = guard.ops_checked  # the guard saw the model, its backward and the collectives
+    checked = guard.ops_checked  # the guard saw the model and its backward
     assert checked["aten.embedding.default"] and checked["aten.embedding_dense_backward.default"]
-    assert checked["c10d.allreduce_.default"]  # the trainer's vote and megatron's reductions
     assert metrics["grad_norm"] > 0  # megatron's optimizer step ran guarded too
 
 
