@@ -40,6 +40,7 @@ from megatron_rl.backend.cpu import cpu_backend_active
 from megatron_rl.backend.cpu_optimizer import cuda_type_names, foreach_adam
 from megatron_rl.backend.grad_check import all_finite
 from megatron_rl.backend.grad_norm import GradNormPlan
+from megatron_rl.backend.one_rank_grad_sync import skip_one_rank_grad_reduction
 from megatron_rl.backend.optimizer_config import OptimizerConfig
 from megatron_rl.collectives import all_ranks_agree
 
@@ -97,6 +98,7 @@ def wrap_for_training(
         overlap_grad_reduce=overlap_grad_reduce,
     )
     wrapped = DistributedDataParallel(model.config, ddp_config, model)
+    skip_one_rank_grad_reduction(wrapped)  # a reduction over one rank is the identity
     _WRAPPED.add(wrapped)
     return wrapped
 

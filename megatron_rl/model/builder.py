@@ -33,6 +33,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from transformers import Qwen3MoeConfig
 
 from megatron_rl.backend import cuda_available
+from megatron_rl.backend.chunk_sort import use_gather_chunk_sort
 from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_module_in_spec
 from megatron_rl.backend.without_te import define_missing_te_symbols
 from megatron_rl.model.config import ModelOptions, to_transformer_config
@@ -120,6 +121,7 @@ def build_model(
         )
     if not use_te:
         define_missing_te_symbols()
+        use_gather_chunk_sort()  # the dispatcher's unfused chunk sort as one gather
         block_spec = swap_module_in_spec(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
         block_spec = swap_module_in_spec(block_spec, GroupedMLP, TorchGroupedMLP)
         if config.multi_latent_attention:  # local attention with MLA's head sizes
