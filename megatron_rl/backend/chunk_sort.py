@@ -22,9 +22,9 @@ from __future__ import annotations
 import importlib
 
 import torch
+from megatron.core.transformer.moe import moe_utils
 
 TOKEN_DISPATCHER = "megatron.core.transformer.moe.token_dispatcher"
-MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 
 
 def sort_chunks_by_index(
@@ -39,7 +39,7 @@ def sort_chunks_by_index(
     ``input`` ``[N, ...]`` is chunks of ``split_sizes`` ``[C]`` rows (summing to N); the result
     is the chunks in the order ``sorted_idxs`` ``[C]`` (and ``probs`` ``[N]`` likewise)."""
     if fused:
-        return importlib.import_module(MOE_UTILS).sort_chunks_by_idxs(
+        return moe_utils.sort_chunks_by_idxs(
             input, split_sizes, sorted_idxs, probs=probs, fused=True
         )
     order = sorted_idxs.tolist()

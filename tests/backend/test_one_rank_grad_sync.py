@@ -3,6 +3,8 @@ bits as megatron's all-reduce / reduce-scatter (megatron_rl/backend/one_rank_gra
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from megatron.core import tensor_parallel
@@ -36,7 +38,7 @@ def _reduced_grads(skip: bool, micro_batches: int, **layout) -> dict[str, torch.
             gen = torch.Generator().manual_seed(10 * step + i)
             tokens = torch.randint(0, config.vocab_size, (2, 9), generator=gen)
             last = i == micro_batches - 1
-            with model.no_sync() if not last else torch.enable_grad():
+            with contextlib.nullcontext() if last else model.no_sync():
                 logits = causal_lm_logits(model, tokens[:, :-1]).float()
                 loss = torch.nn.functional.cross_entropy(
                     logits.reshape(-1, config.vocab_size), tokens[:, 1:].ravel()

@@ -38,14 +38,14 @@ TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 # mask, megatron_rl/model/router_padding.py). Without it expert_bias moved otherwise than at world
 # 1 and, under R3, the engine routed step 2 otherwise (TP 2 + SP x EP 2: step-2 grad norm 1.23832
 # against 1.23782).
-LAYOUTS = {
+LAYOUTS = {  # name -> (model, torchrun ranks, layout flags)
     # 3 layers (1 dense, 2 MoE): stage 1 holds the dense and one MoE layer
-    "tiny-deepseek": (2, (*PP2, "--decoder-first-pipeline-num-layers", "2")),
+    "tiny-deepseek": ("tiny-deepseek", 2, (*PP2, "--decoder-first-pipeline-num-layers", "2")),
     # 4 layers (2 dense, 2 MoE): stage 1 holds the 2 dense layers only, stage 2 both MoE layers
-    "tiny-glm": (2, (*PP2, "--decoder-first-pipeline-num-layers", "2")),
+    "tiny-glm": ("tiny-glm", 2, (*PP2, "--decoder-first-pipeline-num-layers", "2")),
     # TP 2 + SP: each micro-batch padded to a multiple of 2 positions (odd prompt lengths)
-    "tiny-deepseek-tp2-sp": (2, TP2_SP),
-    "tiny-glm-tp2-sp": (2, TP2_SP),
+    "tiny-deepseek-tp2-sp": ("tiny-deepseek", 2, TP2_SP),
+    "tiny-glm-tp2-sp": ("tiny-glm", 2, TP2_SP),
 }
 CASES = [(layout, replay) for layout in LAYOUTS for replay in ("r2", "r3")]
 
@@ -123,9 +123,8 @@ def _assert_same_run(staged: dict, world1: dict) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize(("layout", "replay"), CASES)
 def test_moe_family_layout_trains_the_world1_model_with_replay(tmp_path, layout, replay):
-    model = layout.removesuffix("-tp2-sp")
+    model, nproc, flags = LAYOUTS[layout]
     replay_flags = ("--routing-replay", replay)
     world1 = _train(tmp_path, "world1", model, 1, replay_flags)
-    nproc, flags = LAYOUTS[layout]
     staged = _train(tmp_path, "layout", model, nproc, (*flags, *replay_flags))
     _assert_same_run(staged, world1)
