@@ -21,6 +21,11 @@
     second update (Adam's state allocated, as the plan counts it) is printed next to
     ``tools/memory_plan.py``'s prediction for the same layout, with the peaks of the earlier
     phases.
+(e) Colocated mode's offload (`megatron_rl.train.offload`) of a megatron model with its
+    distributed optimizer: the host copy is one arena (page-locked on CUDA, exactly the bytes
+    moved up to alignment), onload restores every byte, and the device's own account after the
+    offload (``mem_get_info``, torch's reserved bytes, what neither accounts for) is reported
+    next to the bytes moved: the residue colocated servers cannot have.
 
 Needs megatron-core and transformers, not Transformer Engine or SGLang: without TE the local
 layer spec is used (``--transformer-impl local``), whose unfused attention keeps
@@ -298,6 +303,54 @@ def async_throughput_check(device: str, quick: bool, workdir: str) -> dict:
     }
 
 
+def offload_check(device: str, quick: bool, workdir: str) -> dict:
+    """(e): offload / onload of a megatron model and its distributed Adam; see the docstring."""
+    from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
+    from megatron_rl.train.colocate import device_memory_metrics
+    from megatron_rl.train.offload import TrainerOffload
+
+    init_distributed(ParallelConfig(), init_method=f"file://{workdir}/offload_rdzv", device=device)
+    try:
+        torch.manual_seed(0)
+        config = preset_config("tiny" if quick else "tiny-mismatch")
+        model = wrap_for_training(build_model(config, ModelOptions(dtype="bfloat16")))
+        optimizer = build_optimizer(model, OptimizerConfig(lr=1e-3))
+        compute = next(model.parameters()).device
+        tokens = torch.randint(0, config.vocab_size, (2, 17), device=compute)
+        logits = causal_lm_logits(model, tokens[:, :-1]).float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].ravel())
+        loss.backward()
+        assert optimizer.step() is not None  # Adam's state exists
+        offload = TrainerOffload(model, optimizer)
+        before = [t.detach().clone() for t in model.parameters()]
+        account_before = device_memory_metrics(offload.device)
+        moved = offload.offload()
+        account_after = device_memory_metrics(offload.device)
+        pinned = bool(offload._arena.pinned and offload._arena.buffer.is_pinned())
+        offload.onload()
+        offload.offload()  # the second rollout's copy reuses the arena
+        offload.onload()
+        exact = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        result = {
+            "check": "offload",
+            "moved_bytes": moved,
+            "host_arena_bytes": offload.host_bytes,
+            "host_allocations": offload.host_allocations,
+            "pinned": pinned,
+            "exact": exact,
+            "device_before": account_before,
+            "device_after_offload": account_after,
+        }
+        offload.close()
+    finally:
+        destroy_distributed()
+    one_arena = result["host_allocations"] == 1 and moved <= result["host_arena_bytes"]
+    result["passed"] = exact and one_arena and (device == "cpu" or pinned)
+    return result
+
+
 def _error_tail(error: BaseException) -> str:
     """The last lines of ``error``'s traceback: enough to locate a failure from a remote log."""
     import traceback
@@ -315,6 +368,9 @@ def _guarded(check, *args) -> dict:
         return {"check": check.__name__, "passed": False, "error": _error_tail(error)}
 
 
+CHECKS = ("resume", "features", "throughput", "slice", "offload")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -324,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=("resume", "features", "throughput", "slice"),
+        choices=CHECKS,
         help="run only these checks (default: all)",
     )
     args = parser.parse_args(argv)
@@ -340,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
             (feature_matrix_check, args.device, args.quick, workdir),
             (async_throughput_check, args.device, args.quick, workdir),
             (slice_memory_check, args.device, args.tokens, args.quick, workdir),
+            (offload_check, args.device, args.quick, workdir),
         ]
-        names = dict(zip(("resume", "features", "throughput", "slice"), checks, strict=True))
+        names = dict(zip(CHECKS, checks, strict=True))
         checks = [names[name] for name in args.only] if args.only else checks
         for check, *check_args in checks:
             results.append(_guarded(check, *check_args))

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.memory_occupation import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS
@@ -63,6 +64,9 @@ class Colocation:
         freed = self.offload.offload()
         self._metrics["colocate/offload_s"] = time.perf_counter() - t
         self._metrics["colocate/offloaded_bytes"] = float(freed)
+        self._metrics["colocate/host_arena_bytes"] = float(self.offload.host_bytes)
+        self._metrics["colocate/host_allocations"] = float(self.offload.host_allocations)
+        self._metrics.update(device_memory_metrics(self.offload.device))
         self._barrier()
         if self.engine is not None:
             self.engine.resume_memory(list(GENERATION_TAGS))
@@ -97,6 +101,9 @@ class Colocation:
         (resident after a finished step; on host after an error mid-rollout, when onloading
         next to the servers' KV cache could fail). No server call and no collective, so this
         is safe on an error path."""
+        if not self.offload.offloaded:
+            self.offload.close()  # the host arena goes; after an error mid-rollout it holds
+            # the trainer's only copy and stays
         if self.engine is not None and self.released:
             logger.info(
                 "colocated run over: the servers keep %s released (their launcher stops them)",
@@ -104,8 +111,15 @@ class Colocation:
             )
 
     def metrics(self) -> dict[str, float]:
-        """``colocate/offload_s``, ``colocate/onload_s``, ``colocate/offloaded_bytes`` and
-        ``colocate/trainer_resident_bytes_during_rollout`` of the latest step."""
+        """``colocate/offload_s``, ``colocate/onload_s``, ``colocate/offloaded_bytes``,
+        ``colocate/host_arena_bytes`` (the host copy's one buffer), ``colocate/host_allocations``
+        (arenas made so far: 1 while the trainer's storages keep their sizes),
+        ``colocate/trainer_resident_bytes_during_rollout`` (tracked tensors still on the
+        device: 0 by construction) and, on CUDA, what the device itself reports once the
+        trainer is offloaded: ``colocate/device_free_bytes`` (``mem_get_info``: what the servers
+        can take), ``colocate/device_reserved_bytes`` (torch's caching allocator, after
+        ``empty_cache``) and ``colocate/device_untracked_bytes`` (used by this process or others
+        but not by torch's allocator: CUDA context, NCCL buffers, the servers)."""
         return dict(self._metrics)
 
     def _barrier(self) -> None:
@@ -123,3 +137,16 @@ def release_generation_memory(engine=None, group=None) -> None:
         engine.release_memory(list(GENERATION_TAGS))
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def device_memory_metrics(device: torch.device) -> dict[str, float]:
+    """The device's own account after an offload (see `Colocation.metrics`); none off CUDA."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return {
+        "colocate/device_free_bytes": float(free),
+        "colocate/device_reserved_bytes": float(reserved),
+        "colocate/device_untracked_bytes": float(total - free - reserved),
+    }

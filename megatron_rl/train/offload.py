@@ -3,12 +3,20 @@
 `TrainerOffload.offload()` copies every storage behind the policy's parameters, module buffers,
 megatron DDP's contiguous ``param_data`` / ``grad_data`` buffers (``main_grad`` views included)
 and the optimizer's tensors (its fp32 main parameters and their ``.grad``, Adam's ``exp_avg`` and
-``exp_avg_sq``) to host memory (pinned on GPU), then frees the device storage with
+``exp_avg_sq``) into one host arena (pinned on GPU), then frees the device storage with
 ``untyped_storage().resize_(0)``; `onload()` resizes each storage back and copies its bytes in.
 Every tensor keeps its identity and its views (a parameter that views ``param_data``, an
 optimizer's ``main_grad`` view), so nothing has to be re-pointed, and any use of an offloaded
 tensor fails loudly ("setStorage: ... requiring a storage size ..."). Views are handled by
 working on the underlying storages, each once.
+
+**One host arena per rank** (`HostArena`): every storage's copy is a slice of one host tensor of
+exactly the bytes needed (each copy starting at a multiple of `ARENA_ALIGN`), allocated at the
+first offload and reused while the set of storages and their sizes stay the same. On GPU the
+arena is ordinary host memory registered once with ``cudaHostRegister``. torch's pinned
+allocator (``pin_memory=True``, one call per storage) would instead round every copy up to a
+power of two (up to 2x the host memory the memory plan counts) and pay one ``cudaHostAlloc`` per
+storage, thousands of them for a large MoE rank.
 
 On a CPU run the "device" is the CPU: the host copy is a second CPU tensor and the freed
 storage really is freed, so the accounting of `resident_bytes` and the failure on use are the
@@ -34,6 +42,53 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+ARENA_ALIGN = 512  # bytes; every storage's host copy starts at a multiple
+
+
+class HostArena:
+    """One host buffer holding a copy of each of a fixed list of storage sizes.
+
+    ``sizes``: bytes per storage, in order; ``views[i]`` is storage i's slice (``sizes[i]`` bytes,
+    starting at a multiple of `ARENA_ALIGN`); ``nbytes`` is the buffer's size, at most
+    ``sum(sizes) + len(sizes) * ARENA_ALIGN`` (and one `ARENA_ALIGN` more is allocated, to align
+    its start). ``pin``: register the buffer with CUDA
+    (``cudaHostRegister``: page-locked, exactly ``nbytes``) so that copies to and from the GPU
+    run at full bus speed; `release()` unregisters it."""
+
+    def __init__(self, sizes: list[int], *, pin: bool = False) -> None:
+        offsets, end = [], 0
+        for size in sizes:
+            if size <= 0:
+                raise ValueError(f"HostArena: storage sizes must be positive, got {size}")
+            offsets.append(end)
+            end += -(-size // ARENA_ALIGN) * ARENA_ALIGN
+        self.sizes = tuple(sizes)
+        # torch aligns CPU allocations to 64 bytes: over-allocate and start at an aligned byte
+        raw = torch.empty(end + ARENA_ALIGN, dtype=torch.uint8)
+        start = -raw.data_ptr() % ARENA_ALIGN
+        self.buffer = raw[start : start + end]
+        self.views = [self.buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+        self.pinned = False
+        if pin and end:
+            _cuda_check(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), end, 0))
+            self.pinned = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def release(self) -> None:
+        """Unregister a pinned buffer (the memory itself goes with the last reference)."""
+        if self.pinned:
+            _cuda_check(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()))
+            self.pinned = False
+
+
+def _cuda_check(result) -> None:
+    code = getattr(result, "value", result)
+    if code != 0:
+        raise RuntimeError(f"host memory registration failed: CUDA error {result}")
+
 
 class TrainerOffload:
     """``offload()`` / ``onload()`` of a megatron DDP model and its optimizer; see the module
@@ -46,13 +101,20 @@ class TrainerOffload:
         first = next(model.parameters())
         self.device = torch.device(device) if device is not None else first.device
         self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (storage, host copy)
-        # host copies kept across steps: pinning tens of GB anew for every rollout costs
-        # seconds; a storage's copy is reused while its size is unchanged
-        self._host: dict[int, torch.Tensor] = {}
+        # kept across steps (pinning tens of GB anew for every rollout costs seconds) while the
+        # storages and their sizes are the same; ``host_allocations`` counts the arenas made
+        self._arena: HostArena | None = None
+        self._arena_key: tuple[tuple[int, int], ...] = ()
+        self.host_allocations = 0
 
     @property
     def offloaded(self) -> bool:
         return bool(self._held)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of the host arena (0 before the first offload)."""
+        return self._arena.nbytes if self._arena is not None else 0
 
     def resident_bytes(self) -> int:
         """Bytes of the tracked tensors' storages (each counted once) held on ``self.device``."""
@@ -67,19 +129,14 @@ class TrainerOffload:
         pin = self.device.type == "cuda"
         if pin:
             torch.cuda.synchronize(self.device)  # kernels still reading the buffers finish
+        storages = [s for s in self._storages() if s.device == self.device and s.nbytes() > 0]
+        hosts = self._arena_for(storages, pin=pin).views
         freed = 0
-        for storage in self._storages():
-            if storage.device != self.device or storage.nbytes() == 0:
-                continue
-            nbytes = storage.nbytes()
-            host = self._host.get(storage._cdata)
-            if host is None or host.numel() != nbytes:
-                host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-                self._host[storage._cdata] = host
+        for storage, host in zip(storages, hosts, strict=True):
             host.copy_(_bytes_of(storage))
             storage.resize_(0)
             self._held.append((storage, host))
-            freed += nbytes
+            freed += host.numel()
         if pin:
             torch.cuda.empty_cache()  # the freed blocks go back to the driver, for the servers
         logger.debug("trainer offloaded: %d bytes from %d storages", freed, len(self._held))
@@ -99,6 +156,28 @@ class TrainerOffload:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return restored
+
+    def close(self) -> None:
+        """Give the host arena back (unregistered on GPU). RuntimeError while offloaded: the
+        arena then holds the only copy of the trainer's state."""
+        if self._held:
+            raise RuntimeError("TrainerOffload.close() while offloaded: onload() first")
+        if self._arena is not None:
+            self._arena.release()
+        self._arena, self._arena_key = None, ()
+
+    def _arena_for(self, storages: list[torch.UntypedStorage], *, pin: bool) -> HostArena:
+        """The arena for these storages: the last one while they and their sizes are the same
+        (a storage's ``_cdata`` is its allocation's identity), else a new one."""
+        key = tuple((s._cdata, s.nbytes()) for s in storages)
+        if self._arena is None or key != self._arena_key:
+            if self._arena is not None:
+                self._arena.release()
+                self._arena = None  # the old buffer goes before the new one is made
+            self._arena = HostArena([n for _, n in key], pin=pin)
+            self._arena_key = key
+            self.host_allocations += 1
+        return self._arena
 
     # ------------------------------------------------------------------ tracked tensors
     def _storages(self) -> list[torch.UntypedStorage]:

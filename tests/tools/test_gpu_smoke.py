@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_gpu_smoke_rehearsal_resumes_exactly_runs_every_feature_arm_and_the_slice(tmp_path):
+def test_gpu_smoke_rehearsal_resumes_exactly_runs_every_feature_arm_the_slice_and_offload(tmp_path):
     out = tmp_path / "smoke.json"
     argv = ["--device", "cpu", "--quick", "--tokens", "128", "--out", str(out)]
     result = subprocess.run(
@@ -24,7 +24,7 @@ def test_gpu_smoke_rehearsal_resumes_exactly_runs_every_feature_arm_and_the_slic
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    resume, features, throughput, slice_ = json.loads(out.read_text())
+    resume, features, throughput, slice_, offload = json.loads(out.read_text())
     assert resume["passed"] and resume["max_abs_param_diff"] == 0.0
     assert resume["run_to_run_diff"] == 0.0  # the CPU is deterministic: the floor is exact
     assert features["passed"], features["arms"]
@@ -36,3 +36,5 @@ def test_gpu_smoke_rehearsal_resumes_exactly_runs_every_feature_arm_and_the_slic
     }
     assert throughput["sync_samples_per_s"][0] > 0 and throughput["async_samples_per_s"][0] > 0
     assert slice_["passed"] and slice_["finite"] and slice_["plan_gib"] > 0
+    assert offload["passed"] and offload["exact"] and offload["host_allocations"] == 1
+    assert offload["moved_bytes"] <= offload["host_arena_bytes"] < 1.05 * offload["moved_bytes"]

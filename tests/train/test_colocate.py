@@ -85,8 +85,10 @@ def test_the_end_of_a_colocated_run_resumes_nothing_next_to_the_trainers_state()
         colocation.before_train()
         colocation.before_sync()
     held = offload.resident_bytes()
+    assert offload.host_bytes >= held and offload.host_allocations == 1
     colocation.close()
     assert held > 0 and offload.resident_bytes() == held  # the trainer kept its state
+    assert offload.host_bytes == 0  # and the host copy went
     resumed_beside_trainer = [
         c
         for c in servers.calls
@@ -174,7 +176,13 @@ def test_the_cli_colocates_trainer_and_servers_in_slimes_order(tmp_path):
         assert row["colocate/trainer_resident_bytes_during_rollout"] == 0.0
         assert row["colocate/offloaded_bytes"] > 1e5  # the tiny policy, its grads and Adam
         assert row["colocate/offload_s"] > 0 and row["colocate/onload_s"] > 0
+        # one host buffer for each step's copy, of the bytes moved up to alignment
+        assert 1 <= row["colocate/host_arena_bytes"] / row["colocate/offloaded_bytes"] < 1.05
+        assert "colocate/device_free_bytes" not in row  # CUDA only
         assert row["mismatch/train_rollout_logprob_abs_gap"] < 1e-4  # the trainer's weights
+    # Adam's moments appear at the first update, so the second rollout's arena is new (later
+    # ones reuse it: tests/train/test_offload.py)
+    assert [r["colocate/host_allocations"] for r in rows] == [1, 2]
     assert calls == _expected_calls(steps=2)
     assert server.engine.weight_version == 2
     assert server.memory.released() == {"kv_cache", "cuda_graph"}  # left released at the end

@@ -10,7 +10,7 @@ from megatron.core import tensor_parallel
 
 from megatron_rl.backend.optimizer import OptimizerConfig, build_optimizer, wrap_for_training
 from megatron_rl.model import ModelOptions, build_model, causal_lm_logits, preset_config
-from megatron_rl.train.offload import TrainerOffload, _torch_optimizers
+from megatron_rl.train.offload import ARENA_ALIGN, HostArena, TrainerOffload, _torch_optimizers
 
 LAYOUTS = [
     {"distributed": False, "dtype": "float32"},
@@ -104,3 +104,59 @@ def test_an_update_after_offload_and_onload_equals_a_never_offloaded_twins(ws1, 
     end, twin_end = _snapshot(model, optimizer), _snapshot(twin, twin_optimizer)
     assert all(torch.equal(end[k], twin_end[k]) for k in end)
     assert any(not torch.equal(start[k], end[k]) for k in start if k.startswith("param/"))
+
+
+def test_every_offload_of_a_run_copies_into_one_host_arena_of_the_bytes_it_needs(ws1):
+    """One host allocation per rank, reused by every later offload, and exactly the device bytes
+    up to the alignment of each copy (torch's pinned allocator, one call per storage, rounds each
+    copy up to a power of two)."""
+    _, model, optimizer = _trained_once(LAYOUTS[1])
+    offload = TrainerOffload(model, optimizer)
+    assert offload.host_bytes == 0 and offload.host_allocations == 0
+    resident = offload.resident_bytes()
+    storages = len(offload._storages())
+    for _ in range(3):
+        offload.offload()
+        offload.onload()
+    assert offload.host_allocations == 1
+    assert resident <= offload.host_bytes <= resident + storages * ARENA_ALIGN
+    arena = offload._arena
+    assert all(v.data_ptr() % ARENA_ALIGN == 0 for v in arena.views)
+    one = arena.buffer.untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == one for v in arena.views)
+    assert optimizer.step() is not None  # Adam's state is the same storages: the arena stays
+    offload.offload()
+    offload.onload()
+    assert offload.host_allocations == 1
+    with pytest.raises(RuntimeError, match="while offloaded"):
+        offload.offload()
+        offload.close()
+    offload.onload()
+    offload.close()
+    assert offload.host_bytes == 0
+
+
+def test_a_storage_that_changes_size_gets_a_new_arena_and_still_round_trips(ws1):
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    offload = TrainerOffload(model, optimizer)
+    offload.offload()
+    offload.onload()
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()  # Adam's moments and the grads are new storages
+    expected = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    offload.offload()
+    assert offload.host_allocations == 2
+    offload.onload()
+    got = optimizer.state_dict()["state"][0]
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_host_arena_views_are_aligned_slices_of_exactly_the_sizes_asked():
+    arena = HostArena([3, ARENA_ALIGN, 1])
+    assert [v.numel() for v in arena.views] == [3, ARENA_ALIGN, 1]
+    assert arena.nbytes == 3 * ARENA_ALIGN
+    assert [v.data_ptr() - arena.buffer.data_ptr() for v in arena.views] == [0, 512, 1024]
+    assert all(v.data_ptr() % ARENA_ALIGN == 0 for v in arena.views)
+    with pytest.raises(ValueError, match="positive"):
+        HostArena([4, 0])
