@@ -17,8 +17,11 @@ and clipping, ``step_with_ready_grads``), with the per-tensor Python loops of it
 replaced: the norm (with the finite check folded in) is one ``torch._foreach_norm`` over
 megatron's own tensor list, the clipping one scale of the contiguous grad buffers
 (`backend/grad_norm.py`: bitwise megatron's norm and clipping, over the same groups), and torch's
-AdamW runs its ``foreach`` implementation (`cpu_optimizer.foreach_adam`: bitwise the same
-update). On GPU ``step()`` is megatron's own (TE/apex kernels where installed; torch picks foreach
+AdamW runs its ``fused`` CPU kernel (``--cpu-adam fused``, the default: one pass over each
+tensor's state, as TE/apex fuse Adam on GPU; it orders the arithmetic differently from the loop,
+~1e-7 of the largest parameter after 5 steps) or its ``foreach`` implementation (``--cpu-adam
+foreach``: bitwise megatron's loop); see `cpu_optimizer.foreach_adam`.
+On GPU ``step()`` is megatron's own (TE/apex kernels where installed; torch picks foreach
 Adam for CUDA tensors by itself), after a chunked finite check of the reduced buffers.
 """
 
@@ -224,7 +227,7 @@ class PolicyOptimizer:
             if not math.isfinite(grad_norm):
                 return None
             self._plan.clip_(grad_norm)
-            with foreach_adam(self._torch_optimizers):
+            with foreach_adam(self._torch_optimizers, fused=self.config.cpu_adam == "fused"):
                 succeeded = self.inner.step_with_ready_grads()
         return _checked(succeeded, grad_norm)
 

@@ -40,6 +40,14 @@ class OptimizerConfig:
     offload_fraction: float = option(
         1.0, name="optimizer-offload-fraction", help="share of the offloaded optimizer state (0..1)"
     )
+    # torch's AdamW kernel on the CPU backend (megatron's Adam without TE/apex is torch's AdamW)
+    cpu_adam: str = option(
+        "fused",
+        choices=("fused", "foreach"),
+        help="CPU backend's Adam kernel: fused (one pass over each tensor's state, as TE/apex "
+        "fuse it on GPU; ~1e-7 of the largest parameter from foreach after 5 steps) or foreach "
+        "(bitwise megatron's per-tensor loop); no effect on GPU",
+    )
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
@@ -57,6 +65,8 @@ class OptimizerConfig:
             raise bad_value(
                 self, "clip_grad", "must be a finite number >= 0 (0 turns clipping off)"
             )
+        if self.cpu_adam not in ("fused", "foreach"):
+            raise bad_value(self, "cpu_adam", "must be 'fused' or 'foreach'")
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise bad_value(self, "offload_fraction", "must be in [0, 1]")
         if self.cpu_offload and not self.use_distributed_optimizer:
