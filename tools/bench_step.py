@@ -18,7 +18,11 @@ wall time less its steps). Ratios are baseline / this tree, paired per repeat: m
 Settings (the study's arm of docs/study.md and the README's main job):
 - ``study-n8``: tiny-mismatch, router noise 0.05, bf16 rollouts, GRPO, 16 prompts x 8 samples,
   staleness N = 8 (8 updates of 16 samples); ``study-n1``: the same with one update of 128;
-- ``main``: ``make main``'s defaults (the tiny preset).
+- ``main``: ``make main``'s defaults (the tiny preset);
+- ``study-long``: the long-response study's setting (docs/study.md: ``--task addition-trace``,
+  responses of up to 128 tokens, bf16 serving) from the warm start ``--warm-start DIR``
+  (`megatron_rl.study.warm_start`), GRPO at N = 8, without dynamic sampling (so that every step
+  generates one batch of 16 x 8); generation is most of its step.
 """
 
 from __future__ import annotations
@@ -40,11 +44,18 @@ STUDY = [
     "--rollout-router-noise", "0.05", "--loss", "grpo",
     "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
 ]  # fmt: skip
+WARM_START = "<--warm-start>"  # replaced by the checkpoint folder `--warm-start` names
 SETTINGS = {
     "study-n8": [*STUDY, "--global-batch-size", "16", "--micro-batch-size", "16"],
     "study-n1": [*STUDY, "--global-batch-size", "128", "--micro-batch-size", "32"],
     "main": [],
-}
+    "study-long": [
+        "--model", WARM_START, "--task", "addition-trace", "--max-response-length", "128",
+        "--lr", "1e-4", "--rollout-dtype", "bfloat16", "--loss", "grpo",
+        "--rollout-batch-size", "16", "--n-samples-per-prompt", "8",
+        "--global-batch-size", "16", "--micro-batch-size", "16",
+    ],
+}  # fmt: skip
 PARTS = ("time/step", "time/rollout", "time/old_logprob", "time/update", "time/sync")
 
 
@@ -86,12 +97,14 @@ def finish_run(run: dict) -> dict[str, float]:
     return out
 
 
-def measure(setting: str, baselines: dict, repeats: int, steps: int, scratch: Path) -> list:
+def measure(
+    setting: str, baselines: dict, repeats: int, steps: int, scratch: Path, warm_start=None
+) -> list:
     """Per repeat and baseline: (baseline's parts, this tree's parts), run at the same time."""
     results = []
     for repeat in range(repeats):
         for name, (tree, extra) in baselines.items():
-            flags = SETTINGS[setting]
+            flags = [str(warm_start) if f == WARM_START else f for f in SETTINGS[setting]]
             dirs = [scratch / f"{setting}-{repeat}-{name}-{arm}" for arm in ("base", "now")]
             runs = [
                 start_run(tree, [*flags, *extra], dirs[0], steps),
@@ -132,7 +145,12 @@ def main() -> None:
     parser.add_argument("--old-tree", type=Path, help="checkout of an older commit")
     parser.add_argument("--sequential", action="store_true", help="baseline: --no-moe-grouped-gemm")
     parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
+    parser.add_argument("--warm-start", type=Path, help="the study's warm start (study-long)")
     args = parser.parse_args()
+    if "study-long" in args.setting and args.warm_start is None:
+        parser.error("--setting study-long needs --warm-start DIR (python -m "
+                     "megatron_rl.study.warm_start --out DIR)")  # fmt: skip
+    warm_start = args.warm_start.resolve() if args.warm_start else None
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is warm-up)")
     baselines = {}
@@ -145,7 +163,9 @@ def main() -> None:
     tables = []
     with tempfile.TemporaryDirectory() as scratch:
         for setting in args.setting:
-            results = measure(setting, baselines, args.repeats, args.steps, Path(scratch))
+            results = measure(
+                setting, baselines, args.repeats, args.steps, Path(scratch), warm_start
+            )
             tables.append(summary(setting, results))
             print(tables[-1], flush=True)
     if args.out:

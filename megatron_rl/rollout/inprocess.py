@@ -2,9 +2,9 @@
 KV-cached.
 
 Rows (prompt, sample) are left-padded into batches of at most ``max_batch_size``; one prefill
-and then one KV-cached decoding step per new token. Rows that finished keep being fed (their
-extra tokens are dropped) until every row of the batch is done. Stopping: a token in
-``stop_token_ids`` (kept as the last response token, finish reason "stop") or
+and then one KV-cached decoding step per new token. A row that finished leaves the batch with
+its KV cache, generator, noise identity and captured routes (`megatron_rl.rollout.live_rows`).
+Stopping: a token in ``stop_token_ids`` (kept as the last response token, finish reason "stop") or
 ``max_new_tokens`` ("length"); like SGLang with ``ignore_eos``, the model's own EOS token is not
 special, pass it in ``stop_token_ids``.
 
@@ -51,6 +51,7 @@ from megatron_rl.model.presets import HFConfig, hf_causal_lm_class, load_hf_conf
 from megatron_rl.moe_layers import num_routed_experts
 from megatron_rl.rollout import fp8_weights, hf_weights
 from megatron_rl.rollout.fp32_matmuls import use_fp32_matmuls
+from megatron_rl.rollout.live_rows import LiveRows
 from megatron_rl.rollout.padded_experts import PADDED_BMM, register_padded_experts
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.route_capture import RouteCapture, moe_gates
@@ -93,6 +94,8 @@ class InProcessEngineConfig:
     accumulation computes, up to the order of its additions; 2-6x faster on a CPU without
     native bf16); ``"auto"`` (default), ``"fp32"`` on the CPU when ``experts_implementation``
     is None, else ``"native"``.
+    ``drop_finished_rows``: a row that finished leaves the batch at the next step boundary
+    (`megatron_rl.rollout.live_rows`); False feeds it on until the batch's longest row ends.
     ``routing_codec``: the `RoutingCodec` dtype routes are stored in.
     ``logprob_mode``: see `megatron_rl.rollout.sampling`. ``pause_mode``: None (default), an
     `InProcessEngine.update_weights` during a running ``generate`` waits for it to end; one of
@@ -112,6 +115,7 @@ class InProcessEngineConfig:
     router_noise_seed: int = 0
     experts_implementation: str | None = None
     bf16_matmul: str = "auto"
+    drop_finished_rows: bool = True
 
     def __post_init__(self) -> None:
         experts = self.experts_implementation
@@ -505,6 +509,7 @@ class InProcessEngine:
         noise_rows = contextlib.nullcontext()
         if self.router_noise is not None:  # a sample's noise follows its sampling seed
             noise_rows = self.router_noise.rows([row[3] for row in rows])
+        live = LiveRows(batch, cache, generators, capture, self.router_noise)
         with noise_rows, capture if capture is not None else contextlib.nullcontext():
             step_ids, step_pos = input_BT, position_BT
             for _ in range(params.max_new_tokens):
@@ -514,7 +519,7 @@ class InProcessEngine:
                     position_ids=step_pos,
                     use_cache=True,
                     logits_to_keep=1,
-                    **{self._cache_kwarg: cache},
+                    **{self._cache_kwarg: live.cache},
                 )
                 logits_BV = out.logits[:, -1].float()
                 next_B = sample_next(
@@ -522,18 +527,23 @@ class InProcessEngine:
                     temperature=params.temperature,
                     top_k=params.top_k,
                     top_p=params.top_p,
-                    generators=generators,
+                    generators=live.generators,
                 )
                 lp_B = token_logprobs(
                     logits_BV, next_B, params.temperature, self.config.logprob_mode
                 )
-                _record(next_B, lp_B, tokens, logprobs, reasons, stop, params.max_new_tokens)
+                _record(
+                    live.rows, next_B, lp_B, tokens, logprobs, reasons, stop, params.max_new_tokens
+                )
                 if all(r is not None for r in reasons):
                     break
+                fed.append(live.scatter(next_B[:, None], self.config.pad_token_id))
                 step_ids = next_B[:, None]
-                fed.append(step_ids)
                 step_pos = step_pos[:, -1:] + 1
                 mask_BT = torch.cat([mask_BT, torch.ones_like(mask_BT[:, :1])], dim=1)
+                keep = live.unfinished(reasons) if self.config.drop_finished_rows else None
+                if keep is not None:  # finished rows leave the batch
+                    step_ids, step_pos, mask_BT = step_ids[keep], step_pos[keep], mask_BT[keep]
                 if self._pauses or self._abort_epochs.get(scope, 0) != epoch:  # a step boundary
                     held = self._hold(scope, epoch)
                     if held == "abort":
@@ -544,7 +554,7 @@ class InProcessEngine:
                             changes[b].append((version, len(tokens[b])))
                         version = self._version
                     if held == "retract":
-                        cache = self._recompute_cache(input_BT, fed, mask_BT, capture)
+                        live.cache = self._recompute_cache(input_BT, fed, mask_BT, live)
         routes_BTLK = capture.routes_BTLK() if capture is not None else None
         samples = []
         for b, (i, j, prompt, _) in enumerate(rows):
@@ -569,18 +579,20 @@ class InProcessEngine:
             samples.append(sample)
         return samples
 
-    def _recompute_cache(self, input_BT, fed, mask_BT, capture) -> DynamicCache:
-        """A new KV cache of every position fed so far (the padded prompts and all decoding
-        inputs but the pending one), computed with the current weights: retract's re-prefill.
+    def _recompute_cache(self, input_BT, fed, mask_BT, live: LiveRows) -> DynamicCache:
+        """A new KV cache of every position the live rows were fed so far (the padded prompts
+        and all decoding inputs but the pending one), computed with the current weights:
+        retract's re-prefill.
 
-        The routes captured so far are replaced by this forward's (SGLang records routes per KV
-        slot, so a re-prefilled position reports the routing that computed its new KV).
+        The live rows' routes captured so far are replaced by this forward's (SGLang records
+        routes per KV slot, so a re-prefilled position reports the routing that computed its
+        new KV); a row that finished before keeps its own, as a finished SGLang request does.
         """
-        ids_BT = torch.cat([input_BT, *fed[:-1]], dim=1)
+        ids_BT = torch.cat([input_BT, *fed[:-1]], dim=1)[live.rows]
         mask_BT = mask_BT[:, :-1]
         cache = DynamicCache(config=self.model.config)
-        if capture is not None:
-            capture.steps.clear()
+        if live.capture is not None:
+            live.capture.restart()
         self.model(
             input_ids=ids_BT,
             attention_mask=mask_BT,
@@ -614,9 +626,10 @@ def version_spans(
     return tuple((v, start, end) for v, start, end in spans)
 
 
-def _record(next_B, lp_B, tokens, logprobs, reasons, stop, max_new_tokens) -> None:
-    """Append each unfinished row's token and log-prob; set its finish reason when it ends."""
-    for b, (token, logprob) in enumerate(zip(next_B.tolist(), lp_B.tolist(), strict=True)):
+def _record(rows, next_B, lp_B, tokens, logprobs, reasons, stop, max_new_tokens) -> None:
+    """Append each unfinished row's token and log-prob (``next_B[i]`` is batch row
+    ``rows[i]``); set its finish reason when it ends."""
+    for b, token, logprob in zip(rows.tolist(), next_B.tolist(), lp_B.tolist(), strict=True):
         if reasons[b] is not None:
             continue
         tokens[b].append(token)

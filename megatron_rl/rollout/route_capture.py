@@ -30,11 +30,16 @@ def storage_dtype(num_experts: int) -> torch.dtype:
 
 
 class RouteCapture:
-    """Context manager: ``steps`` gets one ``[B, T, L, K]`` tensor per forward call.
+    """Context manager: each forward call's routes ``[rows, T, L, K]``, kept with the batch rows
+    and the positions they are for, assembled by `routes_BTLK`.
+
+    The batch may lose rows between calls (`keep_rows`: the engine drops finished rows) and may
+    restart at position 0 (`restart`: a retract's re-prefill, whose routes replace the earlier
+    ones of the rows it recomputes; a row dropped before keeps what it had).
 
     Args:
         model: a transformers Qwen3-MoE or DeepSeek-V3 causal LM (dense layers have no gate).
-        batch_size: rows of every forward call made while capturing (B).
+        batch_size: rows of the first forward call (B).
     """
 
     def __init__(self, model: torch.nn.Module, batch_size: int) -> None:
@@ -43,7 +48,9 @@ class RouteCapture:
             raise ValueError("the model has no MoE layer (no mlp.gate): nothing to capture")
         self.batch_size = batch_size
         self.dtype = storage_dtype(self.gates[0].num_experts)
-        self.steps: list[torch.Tensor] = []
+        self.rows = torch.arange(batch_size)  # the batch rows of the next call, in B
+        self.position = 0  # where the next call's positions start
+        self.steps: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (start, rows, [r,T,L,K])
         self._layer_rows: list[torch.Tensor] = []
         self._handles: list = []
 
@@ -56,6 +63,14 @@ class RouteCapture:
             handle.remove()
         self._handles = []
 
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Later calls hold only the current rows at positions ``keep`` (an index tensor)."""
+        self.rows = self.rows[keep]
+
+    def restart(self) -> None:
+        """The next call starts again at position 0 (a re-prefill)."""
+        self.position = 0
+
     def _hook(self, module, args, output) -> None:
         del module, args
         indices_NK = output[2]
@@ -64,11 +79,21 @@ class RouteCapture:
             step_LNK = torch.stack(self._layer_rows)
             self._layer_rows = []
             num_layers, _, topk = step_LNK.shape
-            step_BTLK = step_LNK.reshape(num_layers, self.batch_size, -1, topk).permute(1, 2, 0, 3)
-            self.steps.append(step_BTLK)
+            rows = self.rows.numel()
+            step_rTLK = step_LNK.reshape(num_layers, rows, -1, topk).permute(1, 2, 0, 3)
+            self.steps.append((self.position, self.rows, step_rTLK))
+            self.position += step_rTLK.shape[1]
 
     def routes_BTLK(self) -> torch.Tensor:
-        """All captured positions ``[B, sum of T over calls, L, K]``."""
+        """Every captured position ``[B, T, L, K]`` (T: the furthest position reached); where a
+        row was not in a call (dropped before it) its entries are 0."""
         if self._layer_rows:
             raise RuntimeError("a forward call ended with only some MoE layers captured")
-        return torch.cat(self.steps, dim=1)
+        if not self.steps:
+            raise RuntimeError("no forward call was captured")
+        length = max(start + step.shape[1] for start, _, step in self.steps)
+        _, _, layers, topk = self.steps[0][2].shape
+        out = torch.zeros((self.batch_size, length, layers, topk), dtype=self.dtype)
+        for start, rows, step in self.steps:  # in call order: a re-prefill overwrites
+            out[rows, start : start + step.shape[1]] = step
+        return out

@@ -120,6 +120,13 @@ class RouterNoise:
         finally:
             self._keys_B = previous
 
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Inside `rows`: later forward calls hold only the rows at positions ``keep`` (the
+        engine drops finished rows); each keeps its own identity, so its noise is unchanged."""
+        if self._keys_B is None:
+            raise RuntimeError("RouterNoise.keep_rows outside RouterNoise.rows")
+        self._keys_B = self._keys_B[keep]
+
     def _see_call(self, module, args, kwargs) -> None:
         """Pre-hook of the decoder: hash each token's (sample key, position) once per call."""
         del module

@@ -560,3 +560,39 @@ def _sync_during_a_sample(
     finally:
         server.stop()
     return sample, aborted, flushes
+
+
+@pytest.mark.slow
+def test_a_retract_recomputes_only_the_live_rows_and_a_finished_row_keeps_its_routes(
+    update, reference
+):
+    """Row 0 ends at its second token and leaves the batch; the retract at token ``AT``
+    re-prefills row 1 alone with the new weights. Row 0 keeps the old weights' routes (a
+    finished SGLang request is not retracted); row 1's are the new weights' everywhere."""
+    new_model, _, tensors = update
+    stop = _ids(reference["batch"][0])[1]
+    params = dataclasses.replace(PARAMS, stop_token_ids=(stop,))
+    engine = make_engine(seed=0)
+    batch_rows: list[int] = []
+    engine.model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: batch_rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    pauser = PauseAt(engine, AT, lambda: engine.pause("retract"), lambda: engine.paused())
+    prompts = [PROMPT, [9, 9, 250, 301]]
+    call = Call(lambda: engine.generate(prompts, params, return_routed_experts=True))
+    wait_for(lambda: engine.parked() == 1, "the call to park")
+    pauser.join()
+    engine.update_weights(tensors, version=1)
+    engine.resume()
+    done, running = call.result()
+    assert len(_ids(done)) == 2 and done.finish_reason == "stop"
+    assert batch_rows[:2] == [2, 2] and set(batch_rows[2:]) == {1}  # row 0 left after token 2
+    old_model = random_hf_model(tiny_config(), 0)
+    routes = [engine.codec.decode(s.routes).sort(-1).values for s in (done, running)]
+    want_done = direct_routes(old_model, PROMPT + _ids(done)[:-1]).sort(-1).values
+    assert torch.equal(routes[0], want_done)
+    response = _ids(running)
+    want_running = direct_routes(new_model, prompts[1] + response[:-1]).sort(-1).values
+    assert torch.equal(routes[1], want_running)
+    recomputed = direct_logprobs(new_model, prompts[1], response)[AT:]
+    torch.testing.assert_close(running.logprobs_R[AT:], recomputed, atol=LOGPROB_ATOL, rtol=0)
