@@ -16,7 +16,16 @@ sampling), one torch thread. Arms, one engine each (same weights):
   operands through fp32 kernels (`megatron_rl.rollout.fp32_matmuls`, the engine's default on
   the CPU).
 
-``--compare`` picks among ``experts``, ``matmul`` and ``batch`` (default: all).
+- ``rows``: ``keep``, finished rows fed on until the batch's longest row ends, against ``drop``,
+  finished rows leaving the batch (`megatron_rl.rollout.live_rows`, the engine's default); it
+  needs responses of uneven length: ``--checkpoint DIR --task NAME`` (a trained policy, e.g.
+  the study's warm start, and its built-in task's prompts, stopping at its end-of-sequence
+  token).
+
+``--compare`` picks among ``experts``, ``matmul``, ``batch`` and ``rows`` (default: the first
+three). ``--checkpoint DIR``: the engine loads these weights instead of random ones; ``--task
+NAME``: the prompts are that built-in task's (`megatron_rl.data.builtin_tasks`), sampling stops
+at its tokenizer's end-of-sequence token.
 
 The arms alternate (ABBA) within every repeat. Each call is timed on the wall clock and on the
 thread's CPU clock (on a shared machine the CPU clock is the steadier one); ratios are
@@ -57,7 +66,7 @@ from megatron_rl.model import PRESET_NAMES, preset_config
 from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig, SamplingParams
 from megatron_rl.rollout.route_capture import moe_gates
 
-COMPARISONS = ("experts", "matmul", "batch")
+COMPARISONS = ("experts", "matmul", "batch", "rows")
 MATMULS = ("native", "fp32")  # InProcessEngineConfig.bf16_matmul arms, the first the baseline
 BUILTIN_VOCAB = 16  # the built-in task's tokenizer (`megatron_rl.data.builtin_tokenizer`)
 
@@ -92,11 +101,24 @@ def compare_samples(a, b) -> dict:
     return {"same_tokens": tokens, "max_logprob_gap": gap if tokens else None}
 
 
+def task_prompts(task: str, num_prompts: int) -> tuple[list[list[int]], tuple[int, ...]]:
+    """The first ``num_prompts`` prompts of built-in task ``task`` and its stop token."""
+    from megatron_rl.data.builtin_tasks import builtin_task_spec
+
+    tokenizer, records = builtin_task_spec(task).build(0)
+    return [list(r.prompt_ids) for r in records[:num_prompts]], (tokenizer.eos_token_id,)
+
+
 def run_arms(args, arms: dict[str, InProcessEngineConfig]) -> dict:
     """Per arm: wall and CPU seconds per call, and whether its samples equal the first arm's."""
-    engines = {name: build_engine(args.preset, config) for name, config in arms.items()}
-    prompts = study_prompts(args.prompts)
-    params = SamplingParams(max_new_tokens=args.new_tokens, seed=0)
+    if args.checkpoint:
+        engines = {n: InProcessEngine.from_pretrained(args.checkpoint, c) for n, c in arms.items()}
+    else:
+        engines = {name: build_engine(args.preset, config) for name, config in arms.items()}
+    prompts, stop = study_prompts(args.prompts), ()
+    if args.task:
+        prompts, stop = task_prompts(args.task, args.prompts)
+    params = SamplingParams(max_new_tokens=args.new_tokens, seed=0, stop_token_ids=stop)
     names = list(arms)
     first: dict[str, list] = {}
     for name in names:  # warm-up, and each arm's samples
@@ -108,7 +130,7 @@ def run_arms(args, arms: dict[str, InProcessEngineConfig]) -> dict:
             w, c, _ = timed_call(engines[name], prompts, params, args.n)
             wall[name].append(w)
             cpu[name].append(c)
-    tokens = args.prompts * args.n * args.new_tokens
+    tokens = sum(s.response_ids_R.numel() for s in first[names[0]])  # the responses' tokens
     out = {}
     for name in names:
         row = compare_samples(first[names[0]], first[name])
@@ -156,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[64, 256])
-    parser.add_argument("--compare", nargs="+", default=list(COMPARISONS), choices=COMPARISONS)
+    parser.add_argument("--compare", nargs="+", default=list(COMPARISONS[:3]), choices=COMPARISONS)
+    parser.add_argument("--checkpoint", help="engine weights from this folder (HF layout)")
+    parser.add_argument("--task", help="a built-in task's prompts and end-of-sequence stop")
     parser.add_argument("--json", help="write the numbers to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -177,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                 for size in args.batch_sizes
             }
             results[f"{dtype}/batch"] = run_arms(args, sizes)
+        if "rows" in args.compare:
+            rows = {
+                arm: InProcessEngineConfig(dtype=dtype, drop_finished_rows=arm == "drop")
+                for arm in ("keep", "drop")
+            }
+            results[f"{dtype}/rows"] = run_arms(args, rows)
     shape = f"{args.preset}, {args.prompts} prompts x {args.n} x {args.new_tokens} tokens"
     for key, rows in results.items():
         report(f"{key} ({shape}, {args.repeats} interleaved repeats, 1 thread)", rows)
