@@ -12,7 +12,8 @@ norm, clipping (on: ``clip_grad`` 1e-3) and Adam. Arms, on one model and optimiz
   then megatron-core's own ``step()`` (per-tensor norm and scale, torch's per-tensor AdamW loop);
 - ``new``: `PolicyOptimizer.step` (one foreach norm over megatron's tensor list with the finite
   check folded in, clipping over the buffers, foreach AdamW; bitwise the old step);
-- ``fused`` (``--fused``): ``new`` with torch's fused CPU AdamW instead of foreach; also prints
+- ``fused`` (``--fused``): ``new`` with torch's fused CPU AdamW instead of foreach (the
+  trainer's default, ``--cpu-adam fused``); also prints
   its largest parameter difference from foreach after 5 steps from the same start.
 
 The arms alternate (ABBA) within every repeat; the ratio is old / arm, paired per repeat:
@@ -44,7 +45,9 @@ def build(args, options: ModelOptions):
         build_model(preset_config(args.preset), options),
         use_distributed_optimizer=args.distributed,
     )
-    config = OptimizerConfig(lr=1e-4, clip_grad=1e-3, use_distributed_optimizer=args.distributed)
+    config = OptimizerConfig(  # foreach: the ``new`` arm; ``fused`` switches it per step
+        lr=1e-4, clip_grad=1e-3, use_distributed_optimizer=args.distributed, cpu_adam="foreach"
+    )
     return build_optimizer(model, config)
 
 
