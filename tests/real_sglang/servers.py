@@ -17,6 +17,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -77,8 +78,25 @@ def require() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A TCP port on 127.0.0.1 that is free now, drawn below the kernel's ephemeral range.
+
+    A port the OS picks (``bind(0)``) comes from that range, and while an SGLang server starts
+    (tens of seconds under load) any outgoing connection of the other test worker (gloo, HTTP
+    clients) can be handed the same port: the server then fails with "address already in use".
+    """
+    ephemeral_low = 32768  # Linux's default start of ip_local_port_range
+    with contextlib.suppress(OSError, ValueError):
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    draw = random.SystemRandom()  # not the tests' seeded generator: workers must differ
+    for _ in range(100):
+        port = draw.randrange(20000, max(ephemeral_low, 20001))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # the OS's pick
         sock.bind((HOST, 0))
         return sock.getsockname()[1]
 
