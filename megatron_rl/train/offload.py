@@ -62,7 +62,6 @@ class HostArena:
                 raise ValueError(f"HostArena: storage sizes must be positive, got {size}")
             offsets.append(end)
             end += -(-size // ARENA_ALIGN) * ARENA_ALIGN
-        self.sizes = tuple(sizes)
         # torch aligns CPU allocations to 64 bytes: over-allocate and start at an aligned byte
         raw = torch.empty(end + ARENA_ALIGN, dtype=torch.uint8)
         start = -raw.data_ptr() % ARENA_ALIGN
