@@ -128,7 +128,9 @@ def slice_memory_check(device: str, tokens: int, quick: bool, workdir: str) -> d
         if compute is not None:
             torch.cuda.reset_peak_memory_stats()
         model = wrap_for_training(
-            build_model(hf_config, ModelOptions(dtype="bfloat16", spec="local"))
+            build_model(
+                hf_config, ModelOptions(dtype="bfloat16", spec="local", local_attention="unfused")
+            )
         )
         optimizer = build_optimizer(model, OptimizerConfig(lr=1e-6))
         tokens = torch.randint(0, hf_config.vocab_size, (1, tokens), device=compute or "cpu")

@@ -47,6 +47,7 @@ from megatron_rl.model.mla_attention import (
 from megatron_rl.model.presets import load_hf_config, model_family
 from megatron_rl.model.rope import rope_theta
 from megatron_rl.model.router_padding import mask_padding_in_expert_bias
+from megatron_rl.model.sdpa_attention import SdpaDotProductAttention
 from megatron_rl.moe_layers import num_routed_experts
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,10 @@ def build_model(
             block_spec = swap_module_in_spec(
                 block_spec, DotProductAttention, MLADotProductAttention
             )
+        elif local_attention(options) == "sdpa":  # causal attention as one fused kernel
+            block_spec = swap_module_in_spec(
+                block_spec, DotProductAttention, SdpaDotProductAttention
+            )
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec,
@@ -159,6 +164,13 @@ def build_model(
         sum(p.numel() for p in model.parameters()),
     )
     return model
+
+
+def local_attention(options: ModelOptions) -> str:
+    """``options.local_attention`` resolved: ``auto`` is sdpa on the CPU, unfused on CUDA."""
+    if options.local_attention != "auto":
+        return options.local_attention
+    return "unfused" if compute_device().type == "cuda" else "sdpa"
 
 
 def compute_device() -> torch.device:

@@ -56,6 +56,13 @@ class ModelOptions:
         help="layer spec: auto (transformer_engine on CUDA, error if missing; local on CPU), "
         "transformer_engine or local",
     )
+    local_attention: str = option(
+        "auto",
+        name="local-attention",
+        help="the local spec's causal attention: sdpa (torch's fused scaled_dot_product_attention, "
+        "one kernel forward and backward), unfused (megatron's DotProductAttention) or auto "
+        "(sdpa on the CPU; unfused on CUDA, where the memory plan and the GPU smoke describe it)",
+    )
     # uneven pipeline stages: layers of the first / last stage (None: even split)
     first_stage_layers: int | None = option(
         None,
@@ -75,6 +82,7 @@ class ModelOptions:
                 raise bad_value(self, name, "must be an integer >= 1")
         check_choice(self, "spec", ("auto", "te", "local"))
         check_choice(self, "dtype", tuple(DTYPES))
+        check_choice(self, "local_attention", ("auto", "sdpa", "unfused"))
         if self.aux_loss_coeff < 0:
             raise bad_value(self, "aux_loss_coeff", "must be >= 0")
         check_choice(self, "token_dispatcher", ("alltoall", "allgather"))

@@ -139,7 +139,8 @@ def test_local_attention_terms_match_a_cpu_trace_of_megatrons_code(ws1):
     from megatron_rl.train.logprobs import forward_logits
 
     config = load_model_config("tiny")
-    model = build_model(config, ModelOptions(dtype="bfloat16"), spec="local")
+    options = ModelOptions(dtype="bfloat16", local_attention="unfused")
+    model = build_model(config, options, spec="local")
     s = 96  # not the vocabulary (512), hidden (64) or a head's width
     tokens = torch.randint(0, config.vocab_size, (1, s), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
