@@ -57,7 +57,13 @@ from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.route_capture import RouteCapture, moe_gates
 from megatron_rl.rollout.router_noise import RouterNoise
 from megatron_rl.rollout.sampling import LOGPROB_MODES, row_seed, sample_next, token_logprobs
-from megatron_rl.rollout.types import BF16_MATMULS, EngineHealth, RolloutSample, SamplingParams
+from megatron_rl.rollout.types import (
+    BF16_MATMULS,
+    EngineHealth,
+    RolloutSample,
+    SamplingParams,
+    check_samples,
+)
 from megatron_rl.routing import CODECS, RoutingCodec
 
 logger = logging.getLogger(__name__)
@@ -575,8 +581,8 @@ class InProcessEngine:
                 weight_versions=spans,
                 routes=blob,
             )
-            sample.check(num_moe_layers=self.num_moe_layers)
             samples.append(sample)
+        check_samples(samples, num_moe_layers=self.num_moe_layers)
         return samples
 
     def _recompute_cache(self, input_BT, fed, mask_BT, live: LiveRows) -> DynamicCache:

@@ -117,8 +117,9 @@ class RolloutSample:
         """Rows the routes must hold: every position but the last, ``P + R - 1``."""
         return self.prompt_ids_P.numel() + self.response_ids_R.numel() - 1
 
-    def check(self, *, num_moe_layers: int | None = None) -> None:
-        """RuntimeError naming this sample if a field breaks the contract above."""
+    def check(self, *, num_moe_layers: int | None = None, values: bool = True) -> None:
+        """RuntimeError naming this sample if a field breaks the contract above (``values``
+        False: all but the log-probs' values, which `check_samples` checks in one pass)."""
         name = f"sample (prompt {self.prompt_index}, sample {self.sample_index})"
         num_response = self.response_ids_R.numel()
         if num_response < 1:
@@ -127,13 +128,8 @@ class RolloutSample:
             raise RuntimeError(
                 f"{name}: {self.logprobs_R.numel()} logprobs for {num_response} response tokens"
             )
-        if not bool(torch.isfinite(self.logprobs_R).all()):
-            bad = int((~torch.isfinite(self.logprobs_R)).nonzero()[0])
-            raise RuntimeError(
-                f"{name}: non-finite logprob {float(self.logprobs_R[bad])} at response token {bad}"
-            )
-        if bool((self.logprobs_R > 1e-4).any()):
-            raise RuntimeError(f"{name}: positive logprob {float(self.logprobs_R.max())}")
+        if values:
+            self._check_logprob_values(name)
         if self.finish_reason not in FINISH_REASONS:
             raise RuntimeError(
                 f"{name}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}"
@@ -150,6 +146,28 @@ class RolloutSample:
                     f"{name}: routes have {self.routes.num_layers} MoE layers, the model has "
                     f"{num_moe_layers}"
                 )
+
+    def _check_logprob_values(self, name: str) -> None:
+        if not bool(torch.isfinite(self.logprobs_R).all()):
+            bad = int((~torch.isfinite(self.logprobs_R)).nonzero()[0])
+            raise RuntimeError(
+                f"{name}: non-finite logprob {float(self.logprobs_R[bad])} at response token {bad}"
+            )
+        if bool((self.logprobs_R > 1e-4).any()):
+            raise RuntimeError(f"{name}: positive logprob {float(self.logprobs_R.max())}")
+
+
+def check_samples(samples: list[RolloutSample], *, num_moe_layers: int | None = None) -> None:
+    """`RolloutSample.check` of every sample, the log-probs' values in one pass over all of them
+    (a failing batch is re-checked sample by sample, so the error names the first bad one)."""
+    for sample in samples:
+        sample.check(num_moe_layers=num_moe_layers, values=False)
+    if not samples:
+        return
+    logprobs = torch.cat([s.logprobs_R for s in samples])
+    if not bool(torch.isfinite(logprobs).all()) or bool((logprobs > 1e-4).any()):
+        for sample in samples:
+            sample.check(num_moe_layers=num_moe_layers)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)

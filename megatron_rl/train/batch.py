@@ -19,7 +19,7 @@ import torch
 
 from megatron_rl.routing import RoutingBlob
 from megatron_rl.routing.passes import RoutedMicroBatch
-from megatron_rl.train.token_versions import NO_VERSION, token_versions
+from megatron_rl.train.token_versions import NO_VERSION, response_token_versions
 
 
 @dataclass(slots=True)
@@ -112,7 +112,6 @@ def make_micro_batch(
                 f"sample {i}: rollout_logprobs {tuple(sample.rollout_logprobs.shape)} must have "
                 f"one log-prob per response token {tuple(sample.response_ids.shape)}"
             )
-    versions = [token_versions(s, f"sample {i}") for i, s in enumerate(samples)]
     lengths = [s.length for s in samples]
     seq = max(lengths)
     seq += (-seq) % multiple_of
@@ -121,15 +120,19 @@ def make_micro_batch(
     mask = torch.zeros(batch, seq - 1, dtype=torch.bool)
     rollout = torch.zeros(batch, seq - 1, dtype=torch.float32)
     versions_BT = torch.full((batch, seq - 1), NO_VERSION, dtype=torch.int64)
-    for i, sample in enumerate(samples):
-        p, r = sample.prompt_ids.numel(), sample.response_ids.numel()
-        tokens[i, :p] = sample.prompt_ids
-        tokens[i, p : p + r] = sample.response_ids
-        if sample.in_loss:
-            trained = True if sample.response_mask is None else sample.response_mask
-            mask[i, p - 1 : p + r - 1] = trained
-        rollout[i, p - 1 : p + r - 1] = sample.rollout_logprobs
-        versions_BT[i, p - 1 : p + r - 1] = versions[i]
+    # every row's prompt + response at [i, 0 : P + R), its response fields at the predicted
+    # positions [i, P - 1 : P + R - 1): one scatter per field over the concatenated samples
+    prompts = torch.tensor([s.prompt_ids.numel() for s in samples])
+    responses = torch.tensor([s.response_ids.numel() for s in samples])
+    rows, cols = _ragged_positions(prompts + responses, torch.zeros_like(prompts))
+    tokens[rows, cols] = torch.cat([t for s in samples for t in (s.prompt_ids, s.response_ids)])
+    rows, cols = _ragged_positions(responses, prompts - 1)
+    rollout[rows, cols] = torch.cat([s.rollout_logprobs for s in samples]).to(torch.float32)
+    versions_BT[rows, cols] = response_token_versions(samples)
+    if all(s.in_loss and s.response_mask is None for s in samples):
+        mask[rows, cols] = True
+    else:
+        mask[rows, cols] = torch.cat([_trained(s) for s in samples])
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return MicroBatch(
         tokens_BS=tokens,
@@ -140,6 +143,24 @@ def make_micro_batch(
         lengths=lengths,
         samples=list(samples),
     )
+
+
+def _ragged_positions(counts: torch.Tensor, offsets: torch.Tensor):
+    """(row, column) int64 ``[sum counts]`` of ``counts[i]`` consecutive columns of row ``i``
+    from ``offsets[i]``: the scatter targets of rows concatenated end to end."""
+    rows = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    cols = torch.arange(rows.numel()) - torch.repeat_interleave(starts - offsets, counts)
+    return rows, cols
+
+
+def _trained(sample: TrainSample) -> torch.Tensor:
+    """bool ``[R]``: the response tokens of ``sample`` in the loss."""
+    if not sample.in_loss:
+        return torch.zeros(sample.response_ids.numel(), dtype=torch.bool)
+    if sample.response_mask is None:
+        return torch.ones(sample.response_ids.numel(), dtype=torch.bool)
+    return sample.response_mask.to(torch.bool)
 
 
 def merge_micro_batches(parts: Sequence[MicroBatch], pad_id: int = 0) -> MicroBatch:

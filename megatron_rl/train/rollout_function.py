@@ -147,13 +147,16 @@ def check_outputs(
             f"rollout function {name} returned {len(outputs)} samples for {len(request.records)} "
             f"prompts x {request.n} samples = {expected}"
         )
-    return [
-        _check_one(f"rollout function {name}: sample {i}", out, request, i, vocab_size)
-        for i, out in enumerate(outputs)
-    ]
+    where = [f"rollout function {name}: sample {i}" for i in range(len(outputs))]
+    checked = [_check_one(where[i], out, request, i) for i, out in enumerate(outputs)]
+    if checked and not _values_valid(checked, vocab_size):  # find and name the first bad value
+        for i, out in enumerate(checked):
+            _check_values(where[i], out, vocab_size)
+    return checked
 
 
-def _check_one(where, out, request, index, vocab_size) -> RolloutOutput:
+def _check_one(where, out, request, index) -> RolloutOutput:
+    """One output's types, shapes, prompt, spans, reward and routes (values: `_check_values`)."""
     if isinstance(out, RolloutSample):
         out = RolloutOutput(sample=out)
     if not isinstance(out, RolloutOutput):
@@ -174,27 +177,11 @@ def _check_one(where, out, request, index, vocab_size) -> RolloutOutput:
     num = response.numel()
     if num < 1:
         raise RolloutFunctionError(f"{where}: response_ids_R is empty")
-    for field, ids in (("prompt_ids_P", prompt), ("response_ids_R", response)):
-        bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
-        if bad.numel():
-            at = int(bad[0])
-            raise RolloutFunctionError(
-                f"{where}: {field}[{at}] = {int(ids[at])} is outside the vocabulary "
-                f"[0, {vocab_size})"
-            )
     mask = _mask(where, out.loss_mask_R, num)
     if not isinstance(s.logprobs_R, torch.Tensor) or s.logprobs_R.shape != (num,):
         shape = tuple(getattr(s.logprobs_R, "shape", ()))
         raise RolloutFunctionError(
             f"{where}: logprobs_R has shape {shape}, expected ({num},), one per response token"
-        )
-    logprobs = s.logprobs_R.float()
-    bad = (~torch.isfinite(logprobs) | ((logprobs > 1e-4) & mask)).nonzero()
-    if bad.numel():
-        at = int(bad[0])
-        raise RolloutFunctionError(
-            f"{where}: logprobs_R[{at}] = {float(logprobs[at])}; engine log-probs must be "
-            "finite (and <= 0 on trained tokens)"
         )
     _check_versions(where, s.weight_versions, num)
     if out.reward is not None and not (
@@ -210,6 +197,39 @@ def _check_one(where, out, request, index, vocab_size) -> RolloutOutput:
             f"response {num} - 1 = {prompt.numel() + num - 1}"
         )
     return RolloutOutput(sample=s, loss_mask_R=mask, reward=out.reward)
+
+
+def _values_valid(outputs: list[RolloutOutput], vocab_size: int) -> bool:
+    """Every token id in ``[0, vocab_size)`` and every log-prob finite (and <= 1e-4 on trained
+    tokens), over all outputs at once (one pass per field instead of one per sample)."""
+    ids = torch.cat([t for o in outputs for t in (o.sample.prompt_ids_P, o.sample.response_ids_R)])
+    logprobs = torch.cat([o.sample.logprobs_R for o in outputs]).float()
+    trained = torch.cat([o.loss_mask_R for o in outputs])
+    bad_ids = (ids < 0) | (ids >= vocab_size)
+    bad_logprobs = ~torch.isfinite(logprobs) | ((logprobs > 1e-4) & trained)
+    return not bool(bad_ids.any() | bad_logprobs.any())
+
+
+def _check_values(where: str, out: RolloutOutput, vocab_size: int) -> None:
+    """`RolloutFunctionError` naming the first out-of-vocabulary id or bad log-prob of ``out``."""
+    s, mask = out.sample, out.loss_mask_R
+    prompt, response = s.prompt_ids_P, s.response_ids_R
+    for field, ids in (("prompt_ids_P", prompt), ("response_ids_R", response)):
+        bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+        if bad.numel():
+            at = int(bad[0])
+            raise RolloutFunctionError(
+                f"{where}: {field}[{at}] = {int(ids[at])} is outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+    logprobs = s.logprobs_R.float()
+    bad = (~torch.isfinite(logprobs) | ((logprobs > 1e-4) & mask)).nonzero()
+    if bad.numel():
+        at = int(bad[0])
+        raise RolloutFunctionError(
+            f"{where}: logprobs_R[{at}] = {float(logprobs[at])}; engine log-probs must be "
+            "finite (and <= 0 on trained tokens)"
+        )
 
 
 def _check_versions(where: str, spans, num: int) -> None:

@@ -99,6 +99,30 @@ def token_versions(sample, name: str = "sample") -> torch.Tensor:
     return out
 
 
+def response_token_versions(samples: Sequence) -> torch.Tensor:
+    """int64 ``[sum R]``: `token_versions` of every sample, concatenated in order (one fill for
+    the samples that one version generated, the spans written over it)."""
+    counts = torch.tensor([s.response_ids.numel() for s in samples])
+    fills, spanning = [], []
+    for i, sample in enumerate(samples):
+        version = sample.weight_version
+        if sample.weight_versions:
+            spanning.append(i)
+            fills.append(NO_VERSION)
+        elif version is None:
+            fills.append(NO_VERSION)
+        elif _is_int(version) and version >= 0:
+            fills.append(int(version))
+        else:
+            token_versions(sample, f"sample {i}")  # raises, naming the sample
+    out = torch.repeat_interleave(torch.tensor(fills, dtype=torch.int64), counts)
+    if spanning:
+        starts = (torch.cumsum(counts, 0) - counts).tolist()
+        for i in spanning:
+            out[starts[i] : starts[i] + int(counts[i])] = token_versions(samples[i], f"sample {i}")
+    return out
+
+
 def fresh_token_mask(
     token_versions_BT: torch.Tensor, trainer_version: int, max_staleness: int
 ) -> torch.Tensor:

@@ -223,3 +223,61 @@ def test_to_moves_every_tensor_and_keeps_the_samples():
     assert moved.samples is batch.samples and moved.lengths == batch.lengths
     routed = batch.routed()
     assert list(routed.lengths) == batch.lengths and routed.seq_len == batch.tokens_BS.shape[1]
+
+
+def _row_by_row(samples, pad_id, multiple_of):
+    """The micro-batch written one row at a time (the layout the module docstring defines)."""
+    from megatron_rl.train.token_versions import NO_VERSION, token_versions
+
+    seq = max(s.length for s in samples)
+    seq += (-seq) % multiple_of
+    tokens = torch.full((len(samples), seq), pad_id, dtype=torch.int64)
+    mask = torch.zeros(len(samples), seq - 1, dtype=torch.bool)
+    rollout = torch.zeros(len(samples), seq - 1)
+    versions = torch.full((len(samples), seq - 1), NO_VERSION, dtype=torch.int64)
+    for i, s in enumerate(samples):
+        p, r = s.prompt_ids.numel(), s.response_ids.numel()
+        tokens[i, : p + r] = torch.cat([s.prompt_ids, s.response_ids])
+        if s.in_loss:
+            mask[i, p - 1 : p + r - 1] = True if s.response_mask is None else s.response_mask
+        rollout[i, p - 1 : p + r - 1] = s.rollout_logprobs
+        versions[i, p - 1 : p + r - 1] = token_versions(s)
+    return tokens, mask, rollout, versions
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ragged_samples_land_where_a_row_by_row_construction_puts_them(seed):
+    """Random prompt and response lengths, samples out of the loss, tool-token masks, spans of
+    weight versions and samples without a version: every field equals the row-by-row layout."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for _ in range(int(torch.randint(1, 12, (1,), generator=g))):
+        p, r = (int(torch.randint(1, 9, (1,), generator=g)) for _ in range(2))
+        s = _sample(
+            torch.randint(0, 50, (p,), generator=g).tolist(),
+            torch.randint(0, 50, (r,), generator=g).tolist(),
+            (-torch.rand(r, generator=g)).tolist(),
+            in_loss=bool(torch.rand(1, generator=g) < 0.8),
+        )
+        kind = int(torch.randint(0, 4, (1,), generator=g))
+        if kind == 1:
+            s.weight_version = 3
+        elif kind == 2 and r >= 2:
+            s.weight_version, s.weight_versions = 2, ((2, 0, 1), (4, 1, r))
+        elif kind == 3:
+            s.response_mask = torch.rand(r, generator=g) < 0.5
+        samples.append(s)
+    multiple_of = 1 + seed % 3
+    mb = make_micro_batch(samples, pad_id=7, multiple_of=multiple_of)
+    tokens, mask, rollout, versions = _row_by_row(samples, 7, multiple_of)
+    assert torch.equal(mb.tokens_BS, tokens)
+    assert torch.equal(mb.loss_mask_BT, mask)
+    assert torch.equal(mb.rollout_logprobs_BT, rollout)
+    assert torch.equal(mb.token_versions_BT, versions)
+
+
+def test_a_bad_weight_version_is_named_with_its_sample():
+    samples = _two_samples()
+    samples[1].weight_version = -2
+    with pytest.raises(ValueError, match="sample 1: weight_version -2"):
+        make_micro_batch(samples, pad_id=0)
