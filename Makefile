@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: main report test test-fast lint bench clean sglang-env
 
-$(STAMP): setup.py constraints-cpu.txt
+$(STAMP): setup.py constraints-cpu.txt megatron_rl/kernels/grouped_gemm_cpu.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints-cpu.txt torch==2.13.0
@@ -20,6 +20,8 @@ $(STAMP): setup.py constraints-cpu.txt
 	# SGLang's own code for the contract tests, without its GPU dependencies (never imported
 	# whole: the tests read its functions and dataclasses from the installed sources)
 	$(PY) -m pip install --quiet --no-deps sglang==0.5.23 sglang-router==0.3.2
+	# the CPU grouped GEMM kernel (megatron_rl/kernels), built once here instead of on first use
+	$(PY) -m megatron_rl.kernels.grouped_gemm
 	touch $@
 
 # The real SGLang server + sglang-router on CPU, in their own lean venv (tests/real_sglang)

@@ -18,6 +18,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    # the CPU grouped GEMM kernel's source, compiled at install (`make`) or on first use
+    package_data={"megatron_rl.kernels": ["*.cpp"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16.1",
@@ -34,6 +36,8 @@ setup(
         # megatron-core's dist_checkpointing writer calls psutil in each writer process, outside
         # its error handling: without psutil a torch_dist save waits forever
         "psutil>=5.9",
+        # torch's extension builder runs ninja to compile megatron_rl/kernels (CPU only)
+        "ninja>=1.11",
     ],
     entry_points={"console_scripts": ["megatron-rl-train = megatron_rl.train.__main__:main"]},
     extras_require={

@@ -15,7 +15,9 @@ over tokens already sorted by local expert (megatron's dispatcher does that), wi
 ``offs = cumsum(tokens_per_expert)``. Each ``W[e]`` is exactly the weight of the ``SequentialMLP``
 expert's linear layer (``[out, in]``), and ``_grouped_mm`` gets its transposed view as
 ``F.linear`` does, so the results are bitwise those of ``SequentialMLP`` on CPU (tested; a
-``[in, out]`` layout, the legacy module's, differs in the last bit for few-token experts).
+``[in, out]`` layout, the legacy module's, differs in the last bit for few-token experts). On
+the CPU in fp32 the products run through `megatron_rl.kernels.grouped_gemm` (the same products,
+bitwise, without ATen's per-expert dispatch).
 
 Checkpoints: `TorchGroupedMLP.sharded_state_dict` writes the experts under ``SequentialMLP``'s
 sharded keys and global shapes (``experts.linear_fc1.weight`` ``[E, 2F, hidden]`` as gate and up
@@ -45,6 +47,7 @@ from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
 from megatron.core.utils import divide
 
 from megatron_rl.backend import cuda_available
+from megatron_rl.kernels.grouped_gemm import grouped_mm
 
 
 def grouped_mm_available() -> bool:
@@ -132,14 +135,14 @@ class TorchGroupedMLP(MegatronModule):
             anchor = x.sum() + permuted_probs.sum() + self.weight1.sum() + self.weight2.sum()
             return x.new_zeros(0, self.config.hidden_size) + 0.0 * anchor, None
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
-        fc1 = torch._grouped_mm(x, self.weight1.transpose(1, 2), offs=offsets)
+        fc1 = grouped_mm(x, self.weight1.transpose(1, 2), offsets)
         if self.config.gated_linear_unit:
             gate, linear = torch.chunk(fc1, 2, dim=-1)
             hidden = self.config.activation_func(gate) * linear
         else:
             hidden = self.config.activation_func(fc1)
         hidden = (hidden * permuted_probs.unsqueeze(-1)).to(fc1.dtype)
-        return torch._grouped_mm(hidden, self.weight2.transpose(1, 2), offs=offsets), None
+        return grouped_mm(hidden, self.weight2.transpose(1, 2), offsets), None
 
     def backward_dw(self) -> None:
         """No delayed weight-gradient computation (megatron's expert-module interface)."""

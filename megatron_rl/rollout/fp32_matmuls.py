@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
 
+from megatron_rl.kernels.grouped_gemm import grouped_mm
 from megatron_rl.rollout.padded_experts import check_qwen3_experts, expert_order, unpermute_sum
 
 FP32_GROUPED_MM = "fp32_grouped_mm"  # the name registered in transformers' ExpertsInterface
@@ -55,10 +56,10 @@ def fp32_grouped_mm_experts_forward(
     offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     x_SH = hidden_states[perm_S // top_k_index.shape[-1]]
     gate_up = self.gate_up_proj.float().transpose(-2, -1)
-    up_S2I = torch._grouped_mm(x_SH.float(), gate_up, offs=offsets_E).to(dtype)
+    up_S2I = grouped_mm(x_SH.float(), gate_up, offsets_E).to(dtype)
     act_SI = self._apply_gate(up_S2I)
     down = self.down_proj.float().transpose(-2, -1)
-    proj_SH = torch._grouped_mm(act_SI.float(), down, offs=offsets_E).to(dtype)
+    proj_SH = grouped_mm(act_SI.float(), down, offsets_E).to(dtype)
     return unpermute_sum(proj_SH, top_k_weights, perm_S).to(dtype)
 
 
