@@ -139,23 +139,30 @@ def score_rollout(
     ok = ~failed
     advantages, zero_variance = scored_group_advantages(rewards, ok, n, config.advantage_estimator)
     in_loss = ok & ~(zero_variance & config.filter_zero_variance_groups)
-    samples = [
-        TrainSample(
-            prompt_ids=s.prompt_ids_P.to(torch.int64),
-            response_ids=s.response_ids_R.to(torch.int64),
-            rollout_logprobs=_behaviour_logprobs(s.logprobs_R, o.loss_mask_R),
-            advantage=float(advantages[i]),
-            reward=float(rewards[i]),
-            in_loss=bool(in_loss[i]),
-            routes=s.routes,
-            weight_version=s.weight_version,
-            truncated=s.finish_reason == "length",
-            weight_versions=tuple(s.weight_versions),  # per segment when it spans an update
-            prompt_index=-1 if prompt_indices is None else prompt_indices[s.prompt_index],
-            response_mask=_partial_mask(o.loss_mask_R),
+    advantage_list, reward_list, in_loss_list = (
+        advantages.tolist(),
+        rewards.tolist(),
+        in_loss.tolist(),
+    )
+    samples = []
+    for i, (o, s) in enumerate(zip(outputs, generated, strict=True)):
+        mask = _partial_mask(o.loss_mask_R)  # None: every token trained
+        samples.append(
+            TrainSample(
+                prompt_ids=s.prompt_ids_P.to(torch.int64),
+                response_ids=s.response_ids_R.to(torch.int64),
+                rollout_logprobs=_behaviour_logprobs(s.logprobs_R, mask),
+                advantage=advantage_list[i],
+                reward=reward_list[i],
+                in_loss=in_loss_list[i],
+                routes=s.routes,
+                weight_version=s.weight_version,
+                truncated=s.finish_reason == "length",
+                weight_versions=tuple(s.weight_versions),  # per segment when it spans an update
+                prompt_index=-1 if prompt_indices is None else prompt_indices[s.prompt_index],
+                response_mask=mask,
+            )
         )
-        for i, (o, s) in enumerate(zip(outputs, generated, strict=True))
-    ]
     lengths = torch.tensor([float(s.response_ids_R.numel()) for s in generated])
     good = rewards[ok] if bool(ok.any()) else torch.zeros(1)  # no scored sample: zeros
     metrics = {
@@ -227,9 +234,10 @@ def _rewards(outputs: list[RolloutOutput], records, tokenizer, reward_fn):
 
 def _behaviour_logprobs(logprobs_R: torch.Tensor, mask_R: torch.Tensor | None) -> torch.Tensor:
     """float32 ``[R]``: the engine's log-probs of trained tokens, 0 on masked ones (a tool's
-    tokens, which the policy did not sample: never behaviour log-probs)."""
+    tokens, which the policy did not sample: never behaviour log-probs); ``mask_R`` None: all
+    trained."""
     logprobs_R = logprobs_R.to(torch.float32)
-    if mask_R is None or bool(mask_R.all()):
+    if mask_R is None:
         return logprobs_R
     return torch.where(mask_R, logprobs_R, torch.zeros_like(logprobs_R))
 
