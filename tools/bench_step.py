@@ -1,7 +1,8 @@
 """The embedded RL step's cost, paired against a baseline in the same session.
 
     python tools/bench_step.py [--setting study-n8 study-n1 main] [--repeats 3] [--steps 6]
-                               [--old-tree DIR] [--sequential]
+                               [--old-tree DIR] [--sequential] [--aten-grouped-mm]
+                               [--unfused-attention]
 
 Each run is the real CLI (``python -m megatron_rl.train``) in its own process with one torch
 thread. Every repeat starts one baseline run and one run of this tree *at the same time*, so the
@@ -9,7 +10,10 @@ two share the machine's two cores and its load (the study runs two arms at once 
 way): a run's wall seconds per step is then its machine-seconds per step. Baselines:
 
 - ``--old-tree DIR``: a checkout of an older commit (its own package, by PYTHONPATH);
-- ``--sequential``: this tree with ``--no-moe-grouped-gemm`` (megatron's per-expert loop).
+- ``--sequential``: this tree with ``--no-moe-grouped-gemm`` (megatron's per-expert loop);
+- ``--aten-grouped-mm``: this tree with ``torch._grouped_mm`` instead of the CPU grouped GEMM
+  kernel (``MEGATRON_RL_CPU_GROUPED_GEMM=aten``);
+- ``--unfused-attention``: this tree with megatron's unfused attention.
 
 Per run it reads the run's ``metrics.jsonl``: ``time/step`` and its parts (rollout, old-logprob
 pass, updates, weight sync) for steps 2.. (step 1 warms caches), and the start-up (the process's
@@ -59,9 +63,12 @@ SETTINGS = {
 PARTS = ("time/step", "time/rollout", "time/old_logprob", "time/update", "time/sync")
 
 
-def start_run(tree: Path, flags: list[str], run_dir: Path, steps: int) -> dict:
+def start_run(
+    tree: Path, flags: list[str], run_dir: Path, steps: int, env_extra: dict | None = None
+) -> dict:
     """One CLI run of ``tree`` with one torch thread, started now; a thread notes its exit."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree), WANDB_MODE="disabled")
+    env.update(env_extra or {})
     command = [
         sys.executable, "-m", "megatron_rl.train", *flags,
         "--train-iters", str(steps), "--seed", "1", "--run-dir", str(run_dir), "--no-progress",
@@ -103,11 +110,11 @@ def measure(
     """Per repeat and baseline: (baseline's parts, this tree's parts), run at the same time."""
     results = []
     for repeat in range(repeats):
-        for name, (tree, extra) in baselines.items():
+        for name, (tree, extra, env_extra) in baselines.items():
             flags = [str(warm_start) if f == WARM_START else f for f in SETTINGS[setting]]
             dirs = [scratch / f"{setting}-{repeat}-{name}-{arm}" for arm in ("base", "now")]
             runs = [
-                start_run(tree, [*flags, *extra], dirs[0], steps),
+                start_run(tree, [*flags, *extra], dirs[0], steps, env_extra),
                 start_run(HERE, flags, dirs[1], steps),
             ]
             base, now = (finish_run(run) for run in runs)
@@ -144,6 +151,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per run (the first is warm-up)")
     parser.add_argument("--old-tree", type=Path, help="checkout of an older commit")
     parser.add_argument("--sequential", action="store_true", help="baseline: --no-moe-grouped-gemm")
+    parser.add_argument(
+        "--aten-grouped-mm",
+        action="store_true",
+        help="baseline: this tree with torch._grouped_mm instead of the CPU grouped GEMM kernel",
+    )
+    parser.add_argument(
+        "--unfused-attention",
+        action="store_true",
+        help="baseline: this tree with megatron's unfused attention (--local-attention unfused)",
+    )
     parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
     parser.add_argument("--warm-start", type=Path, help="the study's warm start (study-long)")
     args = parser.parse_args()
@@ -155,11 +172,18 @@ def main() -> None:
         parser.error("--steps must be >= 2 (the first step is warm-up)")
     baselines = {}
     if args.old_tree:
-        baselines["old-tree"] = (args.old_tree.resolve(), [])
+        baselines["old-tree"] = (args.old_tree.resolve(), [], {})
     if args.sequential:
-        baselines["sequential"] = (HERE, ["--no-moe-grouped-gemm"])
+        baselines["sequential"] = (HERE, ["--no-moe-grouped-gemm"], {})
+    if args.aten_grouped_mm:
+        baselines["aten-grouped-mm"] = (HERE, [], {"MEGATRON_RL_CPU_GROUPED_GEMM": "aten"})
+    if args.unfused_attention:
+        baselines["unfused-attention"] = (HERE, ["--local-attention", "unfused"], {})
     if not baselines:
-        parser.error("choose a baseline: --old-tree DIR and/or --sequential")
+        parser.error(
+            "choose a baseline: --old-tree DIR, --sequential, --aten-grouped-mm and/or "
+            "--unfused-attention"
+        )
     tables = []
     with tempfile.TemporaryDirectory() as scratch:
         for setting in args.setting:

@@ -114,9 +114,13 @@ def _assert_same_run(staged: dict, world1: dict) -> None:
     # the aux-loss-free update moved the score-correction bias (from 0) during the run
     assert biases and all(want_tensors[k].abs().max() > 0 for k in biases)
     for key in weights:
-        torch.testing.assert_close(
-            got_tensors[key], want_tensors[key], rtol=0, atol=0.01 * LR, msg=key
-        )
+        # Adam moves a weight by ~LR whatever its gradient's size, so where a gradient is as
+        # small as the layouts' rounding differences (grad norms agree to 1e-5) one step can
+        # differ by a few percent of LR: seen on 1 of 16,384 expert weights on an AMD CPU
+        # (1.4% of LR). A wrong shard or reduction moves whole rows by ~LR.
+        diff = (got_tensors[key] - want_tensors[key]).abs()
+        assert float((diff > 0.01 * LR).float().mean()) <= 1e-3, (key, float(diff.max()))
+        assert float(diff.max()) <= 0.05 * LR, (key, float(diff.max()))
 
 
 @pytest.mark.slow
