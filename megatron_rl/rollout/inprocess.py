@@ -493,11 +493,12 @@ class InProcessEngine:
         batch = len(rows)
         lengths = [len(row[2]) for row in rows]
         width = max(lengths)
-        input_BT = torch.full((batch, width), self.config.pad_token_id, dtype=torch.long)
-        mask_BT = torch.zeros((batch, width), dtype=torch.long)
-        for b, (_, _, prompt, _) in enumerate(rows):
-            input_BT[b, width - len(prompt) :] = torch.tensor(prompt)
-            mask_BT[b, width - len(prompt) :] = 1
+        pad = self.config.pad_token_id
+        # prompts padded on the left: one tensor from lists, not a write per row
+        input_BT = torch.tensor(
+            [[pad] * (width - n) + list(row[2]) for n, row in zip(lengths, rows, strict=True)]
+        )
+        mask_BT = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
         input_BT, mask_BT = input_BT.to(device), mask_BT.to(device)
         position_BT = (mask_BT.cumsum(-1) - 1).clamp(min=0)
         generators = None

@@ -106,7 +106,9 @@ def response_token_versions(samples: Sequence) -> torch.Tensor:
     fills, spanning = [], []
     for i, sample in enumerate(samples):
         version = sample.weight_version
-        if sample.weight_versions:
+        if _one_version_span(sample, int(counts[i])):  # (v, 0, R): every token of version v
+            fills.append(sample.weight_versions[0][0])
+        elif sample.weight_versions:
             spanning.append(i)
             fills.append(NO_VERSION)
         elif version is None:
@@ -121,6 +123,26 @@ def response_token_versions(samples: Sequence) -> torch.Tensor:
         for i in spanning:
             out[starts[i] : starts[i] + int(counts[i])] = token_versions(samples[i], f"sample {i}")
     return out
+
+
+def _one_version_span(sample, num_tokens: int) -> bool:
+    """``weight_versions`` is one valid span ``(v, 0, R)`` agreeing with ``weight_version``."""
+    spans = sample.weight_versions
+    if not isinstance(spans, (tuple, list)) or len(spans) != 1:
+        return False
+    span = spans[0]
+    if not isinstance(span, (tuple, list)) or len(span) != 3:
+        return False
+    version, start, end = span
+    return (
+        _is_int(version)
+        and version >= 0
+        and start == 0
+        and end == num_tokens
+        and _is_int(start)
+        and _is_int(end)
+        and sample.weight_version in (None, version)
+    )
 
 
 def fresh_token_mask(

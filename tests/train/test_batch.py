@@ -259,13 +259,15 @@ def test_ragged_samples_land_where_a_row_by_row_construction_puts_them(seed):
             (-torch.rand(r, generator=g)).tolist(),
             in_loss=bool(torch.rand(1, generator=g) < 0.8),
         )
-        kind = int(torch.randint(0, 4, (1,), generator=g))
+        kind = int(torch.randint(0, 5, (1,), generator=g))
         if kind == 1:
             s.weight_version = 3
         elif kind == 2 and r >= 2:
             s.weight_version, s.weight_versions = 2, ((2, 0, 1), (4, 1, r))
         elif kind == 3:
             s.response_mask = torch.rand(r, generator=g) < 0.5
+        elif kind == 4:  # one span: what the in-process engine reports for a one-version sample
+            s.weight_version, s.weight_versions = 5, ((5, 0, r),)
         samples.append(s)
     multiple_of = 1 + seed % 3
     mb = make_micro_batch(samples, pad_id=7, multiple_of=multiple_of)
@@ -274,6 +276,14 @@ def test_ragged_samples_land_where_a_row_by_row_construction_puts_them(seed):
     assert torch.equal(mb.loss_mask_BT, mask)
     assert torch.equal(mb.rollout_logprobs_BT, rollout)
     assert torch.equal(mb.token_versions_BT, versions)
+
+
+def test_a_one_span_sample_whose_version_disagrees_is_named():
+    samples = _two_samples()
+    samples[1].weight_version = 2
+    samples[1].weight_versions = ((5, 0, samples[1].response_ids.numel()),)
+    with pytest.raises(ValueError, match="sample 1: weight_version 2 is not the oldest"):
+        make_micro_batch(samples, pad_id=0)
 
 
 def test_a_bad_weight_version_is_named_with_its_sample():
