@@ -35,6 +35,7 @@ from transformers import Qwen3MoeConfig
 from megatron_rl.backend import cuda_available
 from megatron_rl.backend.chunk_sort import use_gather_chunk_sort
 from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_module_in_spec
+from megatron_rl.backend.plain_linear import use_plain_linear
 from megatron_rl.backend.without_te import define_missing_te_symbols
 from megatron_rl.model.config import ModelOptions, to_transformer_config
 from megatron_rl.model.glm4_moe import rotary_percent
@@ -123,6 +124,7 @@ def build_model(
     if not use_te:
         define_missing_te_symbols()
         use_gather_chunk_sort()  # the dispatcher's unfused chunk sort as one gather
+        use_plain_linear()  # the local linears' autograd function as F.linear at TP 1 on CPU
         block_spec = swap_module_in_spec(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
         block_spec = swap_module_in_spec(block_spec, GroupedMLP, TorchGroupedMLP)
         if config.multi_latent_attention:  # local attention with MLA's head sizes
