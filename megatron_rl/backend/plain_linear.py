@@ -61,6 +61,11 @@ def linear_at_tp1(
     return F.linear(input, weight, bias)
 
 
+# megatron's function warns once through an attribute it reads off its own global name, which
+# now names this function
+linear_at_tp1.warned = False
+
+
 def use_plain_linear() -> None:
     """Make megatron's local linear layers call `linear_at_tp1` (idempotent; process-wide)."""
     layers = importlib.import_module(LAYERS)

@@ -45,6 +45,17 @@ def test_plain_linear_is_bitwise_megatrons_linear_function(ws1, preset, monkeypa
         assert torch.equal(a, b)
 
 
+def test_megatrons_function_runs_under_the_name_it_reads_its_warning_flag_from(ws1):
+    """megatron's function reads ``<its global name>.warned``; with `linear_at_tp1` installed
+    under that name, a tensor-parallel call (here ``allreduce_dgrad`` over one rank) still runs."""
+    build_model(preset_config("tiny"), ModelOptions())  # installs linear_at_tp1
+    x = torch.randn(3, 2, 4, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    out = plain_linear.linear_at_tp1(x, w, None, False, True, False)
+    out.sum().backward()
+    assert torch.allclose(out, x @ w.t()) and w.grad is not None
+
+
 def test_tensor_parallel_flags_go_to_megatrons_function(monkeypatch):
     seen = []
     monkeypatch.setitem(plain_linear._MEGATRON, "linear", lambda *a: seen.append(a[3:6]) or "mcore")
