@@ -97,7 +97,11 @@ def test_later_turns_hit_the_radix_cache_and_the_spliced_routes_are_sglangs_own(
     """Turns ``k >= 1`` send ``prompt + response so far``: SGLang prefills only the previous
     turn's last token and the tool's answer (the rest is a radix-cache hit), and returns for the
     cached prefix the routes it recorded in the earlier turn, row for row. Each episode's spliced
-    routes equal, position by position, the rows of the turn that first fed that position."""
+    routes equal, position by position, the rows of the turn that first fed that position.
+
+    At most those tokens are prefilled: two samples of one prompt can write the same tokens, and
+    when one's later turn reaches SGLang first the other's finds more of its prompt cached (seen
+    once in CI: 45 tokens prefilled where its own earlier turn left 46)."""
     tokenizer, records = calculator_task(CalculatorConfig(seed=0))
     config = RolloutConfig(n_samples_per_prompt=N, max_response_length=BUDGET)
     engine_config = SGLangEngineConfig.from_hf_config(
@@ -146,7 +150,7 @@ def test_later_turns_hit_the_radix_cache_and_the_spliced_routes_are_sglangs_own(
         f"{logged_cached} from the radix cache (expected new: {expected_new}); cached-prefix "
         f"routes equal to the earlier turn's in {sum(same_prefix)}/{len(same_prefix)} pairs"
     )
-    assert logged_new == expected_new and logged_cached == prompt_tokens - expected_new
+    assert 0 < logged_new <= expected_new and logged_new + logged_cached == prompt_tokens
     assert same_prefix and all(same_prefix)
     for sample, turns in zip(result.samples, turn_rows, strict=True):
         covered = 0
