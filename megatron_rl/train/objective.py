@@ -29,6 +29,7 @@ from megatron_rl.losses.aggregation import aggregate_padded
 from megatron_rl.losses.kl import KL_ESTIMATORS
 
 BEHAVIOUR_LOGPROBS = ("trainer", "rollout")
+FIRST_UPDATE_OLD_LOGPROBS = ("update", "pass")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +59,15 @@ class ObjectiveConfig:
         choices=BEHAVIOUR_LOGPROBS,
         help="the loss's old log-probs: the trainer's recomputation or the rollout engine's",
     )
+    first_update_old_logprobs: str = option(
+        "update",
+        choices=FIRST_UPDATE_OLD_LOGPROBS,
+        help="the trainer's old log-probs of the first update's samples: that update's own "
+        "forward, detached (the weights have not moved yet: the ratio is exactly 1, as in verl's "
+        "on-policy update; their share of the old-logprob pass is skipped), or the old-logprob "
+        "pass; the pass is used anyway with R2, --rollout-correction mis-*/icepop, dropout or "
+        "router jitter (megatron_rl/train/old_logprob.py)",
+    )
     max_response_length: int | None = derived(None, source="rollout.max_response_length")
     agg_mode: str = field(init=False)  # resolved aggregation, used by both terms
     loss_config: object = field(init=False)  # the loss's own config, built and checked once
@@ -73,6 +83,7 @@ class ObjectiveConfig:
             raise bad_value(self, "kl_coef", "must be a finite number >= 0")
         check_choice(self, "rollout_correction", ("none", *ROLLOUT_CORRECTIONS))
         check_choice(self, "behavior_logprobs", BEHAVIOUR_LOGPROBS)
+        check_choice(self, "first_update_old_logprobs", FIRST_UPDATE_OLD_LOGPROBS)
         known = [f.name for f in fields(spec.config_cls)]
         for name, _ in self.loss_params:
             if name not in known:

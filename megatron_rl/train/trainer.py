@@ -50,7 +50,7 @@ from megatron_rl.train.minibatches import plan_minibatches
 from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
 from megatron_rl.train.offload import TrainerOffload
-from megatron_rl.train.old_logprob import old_logprob_pass
+from megatron_rl.train.old_logprob import OldLogprobs, fold_blocker, old_logprob_pass
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.policy import build_policy, build_reference
 from megatron_rl.train.rank_topology import RankTopology
@@ -99,6 +99,11 @@ class Trainer:
         self.objective = config.objective
         self.reference = build_reference(config, self.hf_config, self.model.module, self.device)
         self.replay = self._build_replay()
+        # the first update's old log-probs from its own forward (train/old_logprob.py), or why not
+        blocker = fold_blocker(config, self.model.module.config)
+        self.fold_first_update = blocker is None
+        if blocker is not None and config.objective.first_update_old_logprobs == "update":
+            logger.info("old log-probs: every update's from the old-logprob pass (%s)", blocker)
         self.nonfinite = NonFiniteGuard(config.schedule.max_bad_steps)
         self.learning = LearningGuard.from_config(config)
         if self.ranks.is_generator and not remote:
@@ -234,7 +239,7 @@ class Trainer:
             metrics,
         )
         t = time.perf_counter()
-        behaviour = old_logprob_pass(
+        old = old_logprob_pass(
             batches,
             metrics,
             model=self.model,
@@ -243,6 +248,7 @@ class Trainer:
             config=self.config,
             weight_version=self.weight_version,
             ranks=self.ranks,
+            fold_first=self.fold_first_update,
         )
         metrics["time/old_logprob"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -253,15 +259,17 @@ class Trainer:
             if should_stop is not None and should_stop():
                 _count(metrics, "update/skipped_preempted")
                 continue
-            self._update(j, minibatch, behaviour[j], metrics)
+            self._update(j, minibatch, old, metrics)
         metrics["time/update"] = time.perf_counter() - t
+        old.finish(metrics)  # the mismatch and entropy, folded micro-batches included
         if self.ranks.pp > 1:  # the losses, log-probs and entropies came from the last stage
             last = parallel_state.get_pipeline_model_parallel_last_rank()
             metrics = broadcast_object(metrics, src=last, group=self.ranks.pp_group)
         return metrics
 
-    def _update(self, j: int, minibatch: list[MicroBatch], behaviour: list, metrics) -> None:
+    def _update(self, j: int, minibatch: list[MicroBatch], old: OldLogprobs, metrics) -> None:
         """One optimizer step over the micro-batches of mini-batch ``j``."""
+        behaviour = old.entries[j]
         # this mini-batch's response tokens and sequences, summed over data-parallel ranks (the
         # masks live on the last pipeline stage; the other stages learn the totals from it)
         local = [0.0, 0.0]
@@ -286,6 +294,7 @@ class Trainer:
             if not self.nonfinite.finite(logprobs, entry["mask"]):
                 finite = False  # keep running forwards: peers wait in collectives
                 return None
+            entry = old.complete(j, i, mb, logits, logprobs)  # a folded entry gets its old ones
             out = objective(
                 self.objective,
                 logprobs_BT=logprobs,

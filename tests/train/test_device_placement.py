@@ -45,7 +45,7 @@ MICRO_BATCH_FIELDS = ("tokens_BS", "loss_mask_BT", "rollout_logprobs_BT", "advan
 CAUGHT_AT = {
     "tokens_BS": r"aten\.embedding",  # the model
     "loss_mask_BT": r"megatron_rl/losses/",  # the loss (CUDA accepts a CPU mask as an index)
-    "rollout_logprobs_BT": r"aten\.sub(.|\n)*in on_logits: gaps\[k\]",  # the mismatch metric
+    "rollout_logprobs_BT": r"aten\.sub(.|\n)*in record: self\.gaps\[key\]",  # the mismatch metric
     "advantages_B": r"megatron_rl/losses/",  # the loss
 }
 
