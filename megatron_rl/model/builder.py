@@ -36,6 +36,7 @@ from megatron_rl.backend import cuda_available
 from megatron_rl.backend.chunk_sort import use_gather_chunk_sort
 from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_module_in_spec
 from megatron_rl.backend.plain_linear import use_plain_linear
+from megatron_rl.backend.rope_tables import use_rope_tables
 from megatron_rl.backend.without_te import define_missing_te_symbols
 from megatron_rl.model.config import ModelOptions, to_transformer_config
 from megatron_rl.model.glm4_moe import rotary_percent
@@ -125,6 +126,7 @@ def build_model(
         define_missing_te_symbols()
         use_gather_chunk_sort()  # the dispatcher's unfused chunk sort as one gather
         use_plain_linear()  # the local linears' autograd function as F.linear at TP 1 on CPU
+        use_rope_tables()  # the unfused RoPE's cos/sin once per freqs, not per call
         block_spec = swap_module_in_spec(block_spec, WrappedTorchNorm, SequenceParallelTorchNorm)
         block_spec = swap_module_in_spec(block_spec, GroupedMLP, TorchGroupedMLP)
         if config.multi_latent_attention:  # local attention with MLA's head sizes
