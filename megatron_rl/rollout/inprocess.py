@@ -53,6 +53,7 @@ from megatron_rl.rollout import fp8_weights, hf_weights
 from megatron_rl.rollout.fp32_matmuls import use_fp32_matmuls
 from megatron_rl.rollout.live_rows import LiveRows
 from megatron_rl.rollout.padded_experts import PADDED_BMM, register_padded_experts
+from megatron_rl.rollout.pause_gate import PAUSE_MODES, PauseGate
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.route_capture import RouteCapture, moe_gates
 from megatron_rl.rollout.router_noise import RouterNoise
@@ -70,8 +71,6 @@ logger = logging.getLogger(__name__)
 
 # engine dtype -> compute dtype; "float8": FP8 serving, e4m3 weights and bf16 compute
 ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8": torch.bfloat16}
-PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's PauseGenerationReqInput.mode
-_PARKED_POLL_S = 0.02  # a parked or waiting call re-checks its pause this often (lock released)
 # transformers' experts functions (its ExpertsInterface) the engine accepts, plus padded_bmm
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", PADDED_BMM, "batched_mm", "eager")
 
@@ -213,13 +212,7 @@ class InProcessEngine:
         )
         self._version = self.config.initial_version
         self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)  # parked calls wait here, lock released
-        # pause state, per scope, guarded by `_state` (read without it at step boundaries)
-        self._state = threading.Condition()
-        self._pauses: dict[Hashable, str] = {}  # scope -> pause mode
-        self._abort_epochs: dict[Hashable, int] = {}  # scope -> aborts so far
-        self._busy: dict[Hashable, int] = {}  # scope -> calls computing (admitted, not parked)
-        self._parked: dict[Hashable, int] = {}  # scope -> calls parked by a pause
+        self._gate = PauseGate(self._lock)  # pauses, aborts and admission per scope
         forward_args = inspect.signature(type(self.model).forward).parameters
         # transformers >= 5.2x calls the KV cache ``cache``; older ones ``past_key_values``.
         self._cache_kwarg = "cache" if "cache" in forward_args else "past_key_values"
@@ -315,38 +308,26 @@ class InProcessEngine:
         `resume`, new calls of ``scope`` wait. Pausing again changes the mode (``abort`` also
         ends the calls parked so far, as SGLang's abort reaches retracted requests).
         """
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r}: choose one of {PAUSE_MODES}")
-        with self._state:
-            self._pauses[scope] = mode
-            if mode == "abort":
-                self._abort_epochs[scope] = self._abort_epochs.get(scope, 0) + 1
-            self._state.wait_for(lambda: self._busy.get(scope, 0) == 0)
-        self._poke()
+        self._gate.pause(mode, scope)
 
     def resume(self, *, scope: Hashable = None) -> None:
         """End the pause of ``scope``: parked calls go on (``retract``: after recomputing their
         KV cache with the current weights), waiting calls start. A no-op when not paused."""
-        with self._state:
-            self._pauses.pop(scope, None)
-        self._poke()
+        self._gate.resume(scope)
 
     def abort_all(self, *, scope: Hashable = None) -> None:
         """End the unfinished rows of every running or parked call of ``scope`` at its next
         step boundary with finish reason ``"abort"`` (SGLang's ``abort_all``); returns at once
         and leaves the pause state as it is."""
-        with self._state:
-            self._abort_epochs[scope] = self._abort_epochs.get(scope, 0) + 1
-        self._poke()
+        self._gate.abort_all(scope)
 
     def paused(self, scope: Hashable = None) -> str | None:
         """The pause mode of ``scope``, or None."""
-        return self._pauses.get(scope)
+        return self._gate.paused(scope)
 
     def parked(self, scope: Hashable = None) -> int:
         """How many calls of ``scope`` are parked by a pause right now."""
-        with self._state:
-            return self._parked.get(scope, 0)
+        return self._gate.parked(scope)
 
     @contextlib.contextmanager
     def _paused_for_update(self) -> Iterator[None]:
@@ -360,59 +341,6 @@ class InProcessEngine:
             yield
         finally:
             self.resume()
-
-    def _poke(self) -> None:
-        """Wake parked and waiting calls now if the engine lock is free (else they see the
-        change within `_PARKED_POLL_S`): pause changes never wait on the engine lock, which a
-        call of another scope may hold for its whole generation."""
-        if self._lock.acquire(blocking=False):
-            try:
-                self._wake.notify_all()
-            finally:
-                self._lock.release()
-
-    def _admit(self, scope: Hashable) -> int:
-        """Wait (engine lock released) while ``scope`` is paused, then count the call as
-        computing; the abort epoch it starts in. Caller holds the engine lock."""
-        while True:
-            with self._state:
-                if scope not in self._pauses:
-                    self._busy[scope] = self._busy.get(scope, 0) + 1
-                    return self._abort_epochs.get(scope, 0)
-            self._wake.wait(timeout=_PARKED_POLL_S)
-
-    def _leave(self, scope: Hashable) -> None:
-        with self._state:
-            self._busy[scope] -= 1
-            self._state.notify_all()
-
-    def _hold(self, scope: Hashable, epoch: int) -> str | None:
-        """At a step boundary: "abort" (end the unfinished rows), or after parking while
-        ``scope`` is paused, the mode it was parked in ("in_place" or "retract"); None when
-        there was nothing to do. Caller holds the engine lock; parking releases it."""
-        mode = None
-        with self._state:
-            if self._abort_epochs.get(scope, 0) != epoch:
-                return "abort"
-            if scope not in self._pauses:
-                return None
-            self._busy[scope] -= 1
-            self._parked[scope] = self._parked.get(scope, 0) + 1
-            self._state.notify_all()
-        try:
-            while True:
-                with self._state:
-                    if self._abort_epochs.get(scope, 0) != epoch:
-                        return "abort"
-                    now = self._pauses.get(scope)
-                    if now is None:
-                        return mode
-                    mode = now
-                self._wake.wait(timeout=_PARKED_POLL_S)
-        finally:
-            with self._state:
-                self._parked[scope] -= 1
-                self._busy[scope] += 1
 
     def checksums(self, names: Iterable[str]) -> dict[str, float]:
         """Per-tensor checksums of the engine's current weights (`hf_weights.checksums`)."""
@@ -474,11 +402,8 @@ class InProcessEngine:
     # ------------------------------------------------------------------ internals
     def _generate_chunk(self, rows, params, want_routes: bool, scope: Hashable):
         """`_generate_rows` once ``scope`` is not paused, counted as computing meanwhile."""
-        epoch = self._admit(scope)
-        try:
+        with self._gate.admitted(scope) as epoch:
             return self._generate_rows(rows, params, want_routes, scope, epoch)
-        finally:
-            self._leave(scope)
 
     @torch.no_grad()
     def _generate_rows(
@@ -551,8 +476,8 @@ class InProcessEngine:
                 keep = live.unfinished(reasons) if self.config.drop_finished_rows else None
                 if keep is not None:  # finished rows leave the batch
                     step_ids, step_pos, mask_BT = step_ids[keep], step_pos[keep], mask_BT[keep]
-                if self._pauses or self._abort_epochs.get(scope, 0) != epoch:  # a step boundary
-                    held = self._hold(scope, epoch)
+                if self._gate.due(scope, epoch):  # a step boundary
+                    held = self._gate.hold(scope, epoch)
                     if held == "abort":
                         reasons = [r or "abort" for r in reasons]
                         break

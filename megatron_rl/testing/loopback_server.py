@@ -101,8 +101,9 @@ import torch
 
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.flat_bucket import FLATTENED
-from megatron_rl.rollout.inprocess import PAUSE_MODES, InProcessEngine
+from megatron_rl.rollout.inprocess import InProcessEngine
 from megatron_rl.rollout.memory_occupation import KV_CACHE, MEMORY_TAGS, WEIGHTS, MemoryOccupation
+from megatron_rl.rollout.pause_gate import PAUSE_MODES
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.rollout.weight_group import GroupMemberProcess
 

@@ -322,7 +322,7 @@ def test_the_pause_modes_and_defaults_are_sglangs():
     import ast
 
     from megatron_rl.rollout.engine_config import SGLANG_PAUSE_MODES
-    from megatron_rl.rollout.inprocess import PAUSE_MODES
+    from megatron_rl.rollout.pause_gate import PAUSE_MODES
     from megatron_rl.rollout.weight_sync.common import PAUSE_MODES as SYNC_MODES
 
     def field(cls: str, name: str) -> ast.AnnAssign:
