@@ -149,6 +149,7 @@ def check_outputs(
         )
     where = [f"rollout function {name}: sample {i}" for i in range(len(outputs))]
     checked = [_check_one(where[i], out, request, i) for i, out in enumerate(outputs)]
+    _fill_missing_masks(checked)
     if checked and not _values_valid(checked, vocab_size):  # find and name the first bad value
         for i, out in enumerate(checked):
             _check_values(where[i], out, vocab_size)
@@ -255,10 +256,19 @@ def _ids(where: str, field: str, ids) -> torch.Tensor:
     return ids
 
 
-def _mask(where: str, mask, num: int) -> torch.Tensor:
-    """The bool ``[num]`` loss mask (all True for None)."""
+def _fill_missing_masks(outputs: list[RolloutOutput]) -> None:
+    """All-True loss masks for the outputs without one, as views of one tensor (one
+    allocation for the batch, not one per sample)."""
+    missing = [i for i, out in enumerate(outputs) if out.loss_mask_R is None]
+    nums = [outputs[i].sample.response_ids_R.numel() for i in missing]
+    for i, ones in zip(missing, torch.ones(sum(nums), dtype=torch.bool).split(nums), strict=True):
+        outputs[i].loss_mask_R = ones
+
+
+def _mask(where: str, mask, num: int) -> torch.Tensor | None:
+    """The bool ``[num]`` loss mask (None stays None: `_fill_missing_masks` makes it)."""
     if mask is None:
-        return torch.ones(num, dtype=torch.bool)
+        return None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 1:
         raise RolloutFunctionError(f"{where}: loss_mask_R must be a 1-D tensor")
     if mask.numel() != num:

@@ -102,11 +102,12 @@ def token_versions(sample, name: str = "sample") -> torch.Tensor:
 def response_token_versions(samples: Sequence) -> torch.Tensor:
     """int64 ``[sum R]``: `token_versions` of every sample, concatenated in order (one fill for
     the samples that one version generated, the spans written over it)."""
-    counts = torch.tensor([s.response_ids.numel() for s in samples])
+    lengths = [s.response_ids.numel() for s in samples]
+    counts = torch.tensor(lengths)
     fills, spanning = [], []
     for i, sample in enumerate(samples):
         version = sample.weight_version
-        if _one_version_span(sample, int(counts[i])):  # (v, 0, R): every token of version v
+        if _one_version_span(sample, lengths[i]):  # (v, 0, R): every token of version v
             fills.append(sample.weight_versions[0][0])
         elif sample.weight_versions:
             spanning.append(i)
@@ -121,7 +122,7 @@ def response_token_versions(samples: Sequence) -> torch.Tensor:
     if spanning:
         starts = (torch.cumsum(counts, 0) - counts).tolist()
         for i in spanning:
-            out[starts[i] : starts[i] + int(counts[i])] = token_versions(samples[i], f"sample {i}")
+            out[starts[i] : starts[i] + lengths[i]] = token_versions(samples[i], f"sample {i}")
     return out
 
 

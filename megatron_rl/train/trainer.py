@@ -391,9 +391,30 @@ def _accumulate(metrics: dict, loss_metrics: list[dict], weight: float) -> None:
     """Add the mean over micro-batches of every loss metric, scaled by ``weight``."""
     if not loss_metrics:
         return
-    for key in loss_metrics[0]:
-        values = [float(m[key]) for m in loss_metrics if key in m]
+    # each micro-batch's values read out at once (one copy, not one item() per metric)
+    floats = [dict(zip(m, _as_floats(list(m.values())), strict=True)) for m in loss_metrics]
+    for key in floats[0]:
+        values = [m[key] for m in floats if key in m]
         metrics[key] = metrics.get(key, 0.0) + weight * sum(values) / len(values)
+
+
+def _as_floats(values: list) -> list[float]:
+    """Python floats of 0-dim tensors and numbers: the tensors of each dtype and device stacked
+    and read out once (the same values ``float(v)`` gives, without one item() each)."""
+    out = [v if not torch.is_tensor(v) else None for v in values]
+    groups: dict[tuple, list[int]] = {}
+    for k, v in enumerate(values):
+        if torch.is_tensor(v):
+            if v.dim():
+                out[k] = v  # float() of a one-element tensor, below
+            else:
+                groups.setdefault((v.dtype, v.device), []).append(k)
+    for members in groups.values():
+        with torch.no_grad():
+            read = torch.stack([values[k] for k in members]).tolist()
+        for k, value in zip(members, read, strict=True):
+            out[k] = value
+    return [float(v) for v in out]
 
 
 def _jsonable(value):

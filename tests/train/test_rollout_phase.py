@@ -95,3 +95,22 @@ def test_bad_rollout_settings_name_the_field():
         RolloutConfig(advantage_estimator="ppo")
     with pytest.raises(ValueError, match=r"=0: .*\(RolloutConfig.n_samples_per_prompt\)"):
         RolloutConfig(n_samples_per_prompt=0)
+
+
+def test_partial_masks_keep_only_masks_with_untrained_tokens():
+    """One reduction over every mask: a mask with a False token is kept (a copy), an all-True
+    one or a missing one becomes None (every token trained)."""
+    from megatron_rl.train.rollouts.phase import _partial_masks
+
+    given = [
+        torch.tensor([True, True]),
+        None,
+        torch.tensor([True, False, True]),
+        torch.tensor([True]),
+        torch.tensor([False]),
+    ]
+    out = _partial_masks(given)
+    assert [m is None for m in out] == [True, True, False, True, False]
+    assert torch.equal(out[2], given[2]) and out[2].data_ptr() != given[2].data_ptr()
+    assert torch.equal(out[4], given[4])
+    assert _partial_masks([None, None]) == [None, None]

@@ -144,9 +144,9 @@ def score_rollout(
         rewards.tolist(),
         in_loss.tolist(),
     )
+    masks = _partial_masks([o.loss_mask_R for o in outputs])  # None: every token trained
     samples = []
-    for i, (o, s) in enumerate(zip(outputs, generated, strict=True)):
-        mask = _partial_mask(o.loss_mask_R)  # None: every token trained
+    for i, (s, mask) in enumerate(zip(generated, masks, strict=True)):
         samples.append(
             TrainSample(
                 prompt_ids=s.prompt_ids_P.to(torch.int64),
@@ -242,9 +242,22 @@ def _behaviour_logprobs(logprobs_R: torch.Tensor, mask_R: torch.Tensor | None) -
     return torch.where(mask_R, logprobs_R, torch.zeros_like(logprobs_R))
 
 
-def _partial_mask(mask_R: torch.Tensor | None) -> torch.Tensor | None:
-    """The response mask a `TrainSample` keeps: None when every token is trained."""
-    return None if mask_R is None or bool(mask_R.all()) else mask_R.clone()
+def _partial_masks(masks: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The response mask each `TrainSample` keeps: None when every token is trained (one
+    reduction over all the masks, not one per sample)."""
+    given = [i for i, mask_R in enumerate(masks) if mask_R is not None]
+    out: list[torch.Tensor | None] = [None] * len(masks)
+    if not given:
+        return out
+    flat = torch.cat([masks[i] for i in given]).bool()  # [R] each
+    owner = torch.repeat_interleave(
+        torch.arange(len(given)), torch.tensor([masks[i].numel() for i in given])
+    )
+    untrained = torch.zeros(len(given), dtype=torch.int64).index_add_(0, owner, (~flat).long())
+    for i, count in zip(given, untrained.tolist(), strict=True):
+        if count:
+            out[i] = masks[i].clone()
+    return out
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
