@@ -8,16 +8,18 @@ child, so each generation sets it again. A parent that died before the child set
 comparing ``os.getppid()`` with the parent's pid recorded before the start.
 
 Off Linux (no ``prctl``) these are no-ops: the children may outlive a SIGKILLed parent there.
-Import cost: ``os``, ``ctypes``, ``signal`` only (it runs in spawned children).
+Import cost: ``os``, ``ctypes``, ``signal``, ``functools`` only (it runs in spawned children).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -48,6 +50,15 @@ def die_with_parent(parent_pid: int) -> None:
     prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def popen_dies_with_this_thread() -> Callable[[], None]:
+    """A ``preexec_fn`` for `subprocess.Popen`: the command it starts gets SIGKILL when the
+    calling thread exits, the process's death by SIGKILL included (the flag survives the
+    exec). Call it from a thread that lives as long as the process (the main thread); prctl is
+    resolved here, in the parent."""
+    _libc_prctl()
+    return functools.partial(die_with_parent, os.getpid())
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """`megatron_rl.parent_death`: forked children (and their own children) die with a SIGKILLed
-parent; the same fork outside the block survives it (so the test sees orphans)."""
+parent; the same fork outside the block survives it (so the test sees orphans); a command started
+by `subprocess.Popen` in its own session dies with it too."""
 
 from __future__ import annotations
 
@@ -81,3 +82,53 @@ def test_children_forked_in_the_block_and_their_children_die_with_a_sigkilled_pa
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_without_the_block_the_same_children_outlive_the_parent(tmp_path):
     assert len(_kill_parent(tmp_path, guarded=False)) == 2
+
+
+# The parent starts ``sleep`` in a session of its own (as the real SGLang servers of the tests
+# are started), with or without the preexec_fn, writes its pid, and waits to be killed.
+POPEN = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from megatron_rl.parent_death import popen_dies_with_this_thread
+
+    folder, guarded = sys.argv[1], sys.argv[2] == "1"
+    preexec = popen_dies_with_this_thread() if guarded else None
+    child = subprocess.Popen(["sleep", "300"], start_new_session=True, preexec_fn=preexec)
+    open(os.path.join(folder, f"child_{child.pid}"), "w").close()
+    time.sleep(300)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("guarded", [True, False], ids=["preexec", "without"])
+def test_a_popen_command_in_its_own_session_dies_with_a_sigkilled_parent(tmp_path, guarded):
+    parent = subprocess.Popen([sys.executable, "-c", POPEN, str(tmp_path), "1" if guarded else "0"])
+    child = None
+    try:
+        deadline = time.monotonic() + POLL_LIMIT_S
+        while not os.listdir(tmp_path):
+            assert parent.poll() is None and time.monotonic() < deadline, parent.returncode
+            time.sleep(0.05)
+        child = int(os.listdir(tmp_path)[0].split("_")[1])
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        if not guarded:  # nothing would end it before the 300 s sleep
+            assert _alive(child)
+            return
+        deadline = time.monotonic() + POLL_LIMIT_S
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        if child is not None and _alive(child):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)

@@ -25,6 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_rl.parent_death import popen_dies_with_this_thread
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SGLANG_VENV = REPO_ROOT / ".venv-sglang"
 SGLANG_PYTHON = SGLANG_VENV / "bin" / "python"
@@ -188,6 +190,9 @@ class _Process:
                 env={**os.environ, "PYTHONPATH": str(SHIMS_DIR), **env},
                 cwd=REPO_ROOT,
                 start_new_session=True,
+                # a test run killed with SIGKILL (no atexit) takes its servers with it; their own
+                # processes die with them (SGLang's kill_itself_when_parent_died)
+                preexec_fn=popen_dies_with_this_thread(),
             )
         self._stopped = False
         atexit.register(self.stop)
