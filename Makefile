@@ -3,6 +3,9 @@
 #   make test   lints and runs the test suite (what CI runs), the real SGLang server's tests too
 #   make sglang-env  the real SGLang server + router in .venv-sglang/ (make test does it)
 #   make test-fast  lint + every test not marked slow (the inner loop, under 2 minutes)
+#   make test-kernel-paths  the hardware-sensitive tests on torch's and MKL's AVX2 kernels
+#   make wheel-check  the wheel lane (.ci/wheel): sdist + wheel, installed into a fresh venv
+#                     outside the checkout, `megatron-rl` train / plan / convert run from there
 # Both create .venv/ inside the checkout on first use; torch stays on the 2.13.0 CPU build.
 
 PYTHON ?= python3
@@ -10,7 +13,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: main report test test-fast lint bench clean sglang-env
+.PHONY: main report test test-fast test-kernel-paths lint bench clean sglang-env wheel-check
 
 $(STAMP): setup.py constraints-cpu.txt megatron_rl/kernels/grouped_gemm_cpu.cpp
 	$(PYTHON) -m venv $(VENV)
@@ -47,14 +50,29 @@ lint: $(STAMP)
 
 # the real SGLang server and router tests are part of the suite: a missing venv is an error;
 # the 30 slowest tests are listed at the end (the suite's time budget is watched there)
+# runs/suite.xml keeps each test's time: tools/suite_time.py prints the suite's time by module
 test: lint $(SGLANG_STAMP)
-	MEGATRON_RL_REAL_SGLANG=require $(PY) -m pytest -n 2 --dist loadgroup -q --durations=30
+	mkdir -p runs
+	MEGATRON_RL_REAL_SGLANG=require $(PY) -m pytest -n 2 --dist loadgroup -q --durations=30 \
+		--junitxml=runs/suite.xml
+	$(PY) tools/suite_time.py runs/suite.xml --top 20
+
+# the tests whose verdict the CPU's float rounding could move (marked hardware_sensitive, listed in
+# docs/testing.md), on torch's and MKL's AVX2 kernels instead of the machine's widest ones
+test-kernel-paths: $(STAMP) $(SGLANG_STAMP)
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 MEGATRON_RL_REAL_SGLANG=require \
+		$(PY) -m pytest -n 2 --dist loadgroup -q --durations=10 -m hardware_sensitive
 
 test-fast: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"
 
 bench: $(STAMP)
-	$(PY) tools/bench_losses.py
+	$(PY) -m megatron_rl.cli bench losses
+
+# the package as a user installs it: built here (python -m build, from .venv's [dev] extra),
+# installed into a fresh venv in a temp folder, run from outside the checkout (several minutes)
+wheel-check: $(STAMP)
+	PYTHON=$(PYTHON) BUILD_PYTHON=$(PY) bash .ci/wheel
 
 clean:
 	rm -rf $(VENV) runs

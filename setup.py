@@ -22,7 +22,9 @@ setup(
     package_data={"megatron_rl.kernels": ["*.cpp"]},
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        # the router, MLA and padding-mask hooks reach into megatron-core 0.16.1's internals
+        # (tested there; 0.17 ships Python 3.12 wheels only): a new minor release needs a port
+        "megatron-core>=0.16.1,<0.17",
         "transformers>=4.51",
         "safetensors>=0.4",
         "numpy>=1.26",
@@ -39,13 +41,31 @@ setup(
         # torch's extension builder runs ninja to compile megatron_rl/kernels (CPU only)
         "ninja>=1.11",
     ],
-    entry_points={"console_scripts": ["megatron-rl-train = megatron_rl.train.__main__:main"]},
+    entry_points={
+        "console_scripts": [
+            # every command: megatron-rl train | plan | convert | study | ... (megatron_rl/cli)
+            "megatron-rl = megatron_rl.cli.__main__:main",
+            "megatron-rl-train = megatron_rl.train.__main__:main",  # = megatron-rl train
+        ]
+    },
     extras_require={
-        "dev": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff==0.17.6"],
+        # build: the wheel lane (.ci/wheel, make wheel-check) builds the sdist and the wheel
+        "dev": [
+            "pytest>=8",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6.100",
+            "ruff==0.17.6",
+            "build>=1.2",
+        ],
         # Cluster extras. Transformer Engine needs CUDA headers to build; never install on CPU.
         "gpu": ["transformer-engine[pytorch]>=2.4"],
-        # 0.5.10: first release whose --skip-tokenizer-init responses base64-encode routed experts
-        # (0.5.7-0.5.9 put a raw tensor in the JSON); contract-tested against 0.5.23 (Makefile)
-        "sglang": ["sglang>=0.5.10", "sglang-router>=0.3.2"],
+        # the serving environment, pinned to the releases the contract is proven on: the client's
+        # payloads, routed experts (base64 since 0.5.10) and weight-update routes are tested
+        # against sglang 0.5.23's own code and its real server (Makefile, tests/real_sglang)
+        "sglang": [
+            "sglang==0.5.23",
+            # the router the tests start in front of the real servers (tests/real_sglang)
+            "sglang-router==0.3.2",
+        ],
     },
 )

@@ -1,7 +1,7 @@
 """The papers' protocols as named recipes: trainer flags per arm, with the table they come from.
 
 A recipe is what a paper's comparison table fixes, split in three so that the same arms can run
-at the paper's scale (the cluster launchers) and on the embedded model (`tools/compare_runs.py`):
+at the paper's scale (the cluster launchers) and on the embedded model (`megatron-rl study`):
 
 * ``arms``: per arm, the objective (loss, its clipping parameters, routing replay);
 * ``protocol``: what every arm shares and what the embedded study keeps (sampling, evaluation,

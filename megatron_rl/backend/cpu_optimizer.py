@@ -24,7 +24,7 @@ operations in the same order, one C++ loop over the tensors (bitwise the same pa
 moments; ``tests/backend/test_foreach_adam.py``). The groups get their own value back afterwards,
 so state dicts and checkpoints are unchanged. torch's ``fused`` CPU kernel (``fused=True``) is
 faster still (one pass over each tensor's state instead of one per operation: 2.2x foreach's
-Adam on tiny-mismatch, ``tools/bench_optimizer.py --fused``) but orders the arithmetic
+Adam on tiny-mismatch, ``megatron-rl bench optimizer --fused``) but orders the arithmetic
 differently: ~6e-8 of the largest parameter after 5 steps, not bitwise. The trainer uses fused
 by default (``--cpu-adam fused``; TE and apex fuse Adam on GPU too) and foreach with
 ``--cpu-adam foreach``, for runs that must equal megatron's own loop bit for bit.

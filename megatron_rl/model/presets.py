@@ -90,7 +90,7 @@ _PRESETS["tiny-dense-tied"] = dict(
 # the residual stream) moves them by about as much, so the 8th and 9th experts swap on a few
 # percent of token-layers, far more than with "tiny" (8 experts, top-2): measured with
 # --routing-replay r3 --routing-record-only (routing/agreement/behaviour/layer_<n>), numbers in
-# docs/performance.md ("Routing mismatch of the presets"); see tools/compare_runs.py --preset
+# docs/performance.md ("Routing mismatch of the presets"); see megatron-rl study --preset
 # mismatch.
 _PRESETS["tiny-mismatch"] = dict(
     _PRESETS["tiny"],

@@ -88,7 +88,7 @@ class InProcessEngineConfig:
     sampling seed, the position and the layer, so batching never changes a sample.
     ``max_batch_size``: rows per batched generation (a request of more rows runs in chunks);
     256 holds a study-sized request (16 prompts x 8 samples) in one batch: 1.17-1.43x faster
-    per token on CPU than 64 (``tools/bench_engine.py``), the same tokens (fp32 log-probs move
+    per token on CPU than 64 (``megatron-rl bench engine``), the same tokens (fp32 log-probs move
     by rounding, ~2e-7: BLAS rounds a row by the matrix's row count).
     ``experts_implementation``: how transformers runs the experts, one of
     `EXPERTS_IMPLEMENTATIONS` (``"padded_bmm"``: `megatron_rl.rollout.padded_experts`); None

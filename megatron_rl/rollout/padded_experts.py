@@ -19,7 +19,7 @@ fp32 it is equal within rounding only: MKL picks its kernel by the row count (on
 one can round a row differently.
 
 Measured on the engine (2-core AVX2 CPU, one thread, the study's 16 x 8 request;
-``tools/bench_engine.py``): slower than ``"grouped_mm"``, 0.94x (tiny, fp32) to 0.27x
+``megatron-rl bench engine``): slower than ``"grouped_mm"``, 0.94x (tiny, fp32) to 0.27x
 (tiny-mismatch, bf16). The study's rows repeat, so routing piles onto a few experts and every
 slice is padded to the busiest one, and bf16 matmuls on a CPU without native bf16 cost per
 padded row. The engine therefore keeps transformers' default; ``InProcessEngineConfig.

@@ -1,1 +1,2 @@
-"""Comparison studies of RL arms over seeds: statistics (`stats`) used by tools/compare_runs.py."""
+"""Comparison studies of RL arms over seeds (``megatron-rl study``, megatron_rl/cli/study.py):
+the grid of arms (`grid`), their runs (`jobs`), statistics (`stats`), summaries and records."""

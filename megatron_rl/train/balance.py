@@ -1,7 +1,7 @@
 """Token balancing: data-parallel shares by token count, micro-batches by a token budget.
 
 Pure Python (no torch), so the batching policy can be tested against brute force and measured
-in seconds (``tools/bench_batching.py``).
+in seconds (``megatron-rl bench batching``).
 
 * `karmarkar_karp`: split item weights (sequence lengths) into ``k`` parts of near-equal sums,
   optionally with equal item counts (what data-parallel ranks need: every rank keeps

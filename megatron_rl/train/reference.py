@@ -3,7 +3,7 @@
 ``--kl-coef > 0`` needs ``log pi_ref`` of every response token once per RL step (in the
 old-logprob pass). The reference is a second copy of the initial policy (same layout and shards,
 no routing replay, no gradients), i.e. the policy's parameter bytes again on every GPU (about
-4-8 GiB per GPU for Qwen3-30B-A3B on the 32-GPU launcher's layout; ``tools/memory_plan.py``
+4-8 GiB per GPU for Qwen3-30B-A3B on the 32-GPU launcher's layout; ``megatron-rl plan``
 counts it). With ``offload`` (the default) its weights stay in host memory and visit the compute
 device only for the duration of its own pass (`ReferencePolicy.resident`), so the update
 passes, which hold gradients, optimizer state and activations, never see them. On a CPU-only run

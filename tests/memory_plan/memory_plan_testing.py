@@ -1,9 +1,10 @@
 """Shared by the memory plan's tests: Qwen3-30B-A3B's sizes for hand counts, a layout of
-parallel sizes, the tiny model in megatron DDP, and tools/memory_plan.py loaded as a module."""
+parallel sizes, the tiny model in megatron DDP, and the planner command (``megatron-rl plan``,
+megatron_rl/cli/plan.py; ``tools/memory_plan.py`` calls the same ``main``)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import inspect
 from pathlib import Path
 
@@ -46,7 +47,5 @@ def tiny_model(name: str, dtype: str, distributed: bool, **overrides):
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("memory_plan", ROOT / "tools/memory_plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The planner command's module (its ``main(argv) -> int``)."""
+    return importlib.import_module("megatron_rl.cli.plan")

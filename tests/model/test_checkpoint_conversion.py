@@ -151,12 +151,8 @@ def test_writer_is_atomic_and_shards_by_size(tmp_path):
 
 
 def test_convert_tool_round_trip_is_exact(tmp_path):
-    import importlib.util
+    from megatron_rl.cli import convert as tool  # megatron-rl convert (tools/convert_checkpoint.py)
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     make_hf_checkpoint(str(tmp_path / "hf"), tiny_config(mlp_only_layers=[1]))
     assert (
         tool.main(

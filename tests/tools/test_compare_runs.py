@@ -1,6 +1,6 @@
-"""tools/compare_runs.py without the trainer: resume of an interrupted study, and summary.md."""
+"""megatron-rl study (megatron_rl/cli/study.py, also tools/compare_runs.py) without the trainer:
+resume of an interrupted study, and summary.md."""
 
-import importlib.util
 import json
 import math
 import sys
@@ -8,11 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.cli import study as compare_runs
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "tools" / "compare_runs.py")
-compare_runs = importlib.util.module_from_spec(spec)
-sys.modules["compare_runs"] = compare_runs  # dataclasses look their module up
-spec.loader.exec_module(compare_runs)
 
 # A stand-in trainer: logs its call, fails when asked to (an interrupted study), else writes
 # 4 steps of metrics whose accuracy depends on the loss and the seed.

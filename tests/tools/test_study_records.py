@@ -7,7 +7,6 @@ checks; the tests on the fake study are slow: they share one ~3 s sitting, on on
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
@@ -17,12 +16,10 @@ from pathlib import Path
 import pytest
 from test_compare_runs import FAKE_TRAINER, compare_runs
 
+from megatron_rl.cli import study_summary
 from megatron_rl.study import records, regenerate
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("study_summary", ROOT / "tools/study_summary.py")
-study_summary = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(study_summary)
 
 COMMITTED_RECORDS = ROOT / "docs" / "study" / "runs"
 ARMS = ("grpo-r3rec-N2", "vespo-r3rec-N2")

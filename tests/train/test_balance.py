@@ -157,13 +157,8 @@ def test_token_budget_rejects_bad_arguments():
 
 
 def test_bench_batching_runs_and_balancing_helps(capsys):
-    import importlib.util
-    from pathlib import Path
+    from megatron_rl.cli.bench import batching as bench  # megatron-rl bench batching
 
-    path = Path(__file__).resolve().parents[2] / "tools" / "bench_batching.py"
-    spec = importlib.util.spec_from_file_location("bench_batching", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     bench.main(["--samples", "128", "--global-batch-size", "64", "--dp", "4"])
     out = capsys.readouterr().out
     assert "budget 24576 tokens" in out and "8 rows (today)" in out

@@ -1,6 +1,6 @@
 """Routing-replay benchmark: codec throughput, replay step-time overhead, R3 routing memory.
 
-    python tools/bench_routing.py [--quick]
+    megatron-rl bench routing [--quick]
 
 1. Encode/decode throughput of every codec on Qwen3-30B-A3B-shaped routes (128 experts, top-8),
    and the bytes each stores per token-layer.
@@ -363,13 +363,13 @@ def memory_table(results: dict[tuple[str, int], dict], samples_per_rank: int, le
     return table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Routing-replay benchmark.")
     parser.add_argument("--quick", action="store_true", help="small sizes (CI smoke run)")
     parser.add_argument(
         "--memory-json", type=Path, help="also write the memory arms' per-rank results here"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     console = Console(width=160)
     console.print(bench_codecs(20_000 if args.quick else 2_000_000))
     repeats, batch, seq = (3, 2, 32) if args.quick else (15, 2, 128)
@@ -387,7 +387,8 @@ def main() -> None:
     console.print(
         f"claim (rank holds its own shard, never the whole batch): {'PASS' if ok else 'FAIL'}"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

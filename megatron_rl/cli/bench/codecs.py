@@ -1,6 +1,6 @@
 """Routing-codec throughput against minimal baselines, with paired ratios.
 
-    python tools/bench_codecs.py [--tokens 65536] [--layers 48] [--repeats 5] [--old PATH]
+    megatron-rl bench codecs [--tokens 65536] [--layers 48] [--repeats 5] [--old PATH]
 
 Input: ``[tokens, layers, top-8 of 128 experts]`` int64 routes (the issue's size by default).
 Each repeat times, interleaved, every codec's encode/decode and the minimal baselines on the same
@@ -127,7 +127,7 @@ def timed(fn):
     return time.perf_counter() - start, out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--layers", type=int, default=48)
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--old", default=None, help="path to a saved previous codec.py")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     num_e, k = args.experts, args.topk
     num_items = args.tokens * args.layers
     gen = torch.Generator().manual_seed(0)
@@ -215,7 +215,8 @@ def main() -> None:
         if old_cls is not None:
             row += [rate(label, "old"), ratio(label, "old")]
         print(" | ".join(f"{c:>22}" for c in row))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

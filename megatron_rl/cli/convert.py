@@ -1,13 +1,14 @@
 """Convert a Qwen3-MoE checkpoint between HF safetensors and the megatron_rl Megatron format.
 
-    python tools/convert_checkpoint.py hf-to-megatron --src HF_DIR --dst MEGATRON_DIR
-    python tools/convert_checkpoint.py megatron-to-hf --src MEGATRON_DIR --dst HF_DIR
+    megatron-rl convert hf-to-megatron --src HF_DIR --dst MEGATRON_DIR
+    megatron-rl convert megatron-to-hf --src MEGATRON_DIR --dst HF_DIR
 
 The Megatron format is the unsharded megatron-core state dict in local-spec names with global
 expert indices (safetensors + config.json); it loads into the local or the Transformer Engine
 spec under any TP/EP layout. The conversion builds the real megatron model (world size 1, CPU
 unless CUDA is present), loads the source into it with full validation, and streams it out.
 Under torchrun it runs sharded (each rank loads its shard, rank 0 writes).
+``python tools/convert_checkpoint.py`` is the same command.
 """
 
 from __future__ import annotations
@@ -18,11 +19,7 @@ import sys
 import tempfile
 import time
 
-from tqdm import tqdm
-
-from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
-from megatron_rl.model import ModelOptions, build_model, load_hf_config
-from megatron_rl.model.conversion import load_checkpoint, save_checkpoint
+from megatron_rl.quiet_imports import quiet_third_party_warnings
 
 DIRECTIONS = {"hf-to-megatron": ("hf", "megatron"), "megatron-to-hf": ("megatron", "hf")}
 
@@ -42,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def convert(args: argparse.Namespace) -> float:
     """Run one conversion; returns the seconds it took."""
+    from tqdm import tqdm  # megatron and the model: once a conversion runs (--help answers first)
+
+    from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
+    from megatron_rl.model import ModelOptions, build_model, load_hf_config
+    from megatron_rl.model.conversion import load_checkpoint, save_checkpoint
+
     src_fmt, dst_fmt = DIRECTIONS[args.direction]
     start = time.perf_counter()
     parallel = ParallelConfig(tensor_parallel=args.tp, expert_parallel=args.ep)
@@ -74,6 +77,7 @@ def convert(args: argparse.Namespace) -> float:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
+    quiet_third_party_warnings()  # megatron-core's "Apex is not installed" and the like
     seconds = convert(args)
     print(f"{args.direction}: {args.src} -> {args.dst} in {seconds:.1f} s")
     return 0

@@ -1,8 +1,10 @@
 """Run (or read) a study: a grid of RL arms, each over K seeds, with 95% confidence intervals.
 
-    python tools/compare_runs.py --out runs/study --preset mismatch --seeds 3 \
+    megatron-rl study --out runs/study --preset mismatch --seeds 3 \
         --losses grpo vespo --replay r3rec r3 --staleness 4 --train-iters 20 --jobs 2
-    python tools/compare_runs.py --out runs/study --read     # re-plot / re-summarise finished runs
+    megatron-rl study --out runs/study --read     # re-plot / re-summarise finished runs
+
+(``python tools/compare_runs.py`` is the same command.)
 
 Each (arm, seed) is ``python -m megatron_rl.train ... --seed <s>`` on the embedded default
 (in-process engine, megatron on CPU) in its own process and run directory
@@ -60,12 +62,13 @@ The study of docs/study.md is ``--recipe study --preset mismatch-noise --stalene
 Outputs in ``--out``: ``summary.md`` (per arm: mean +- 95% t-interval over seeds of each metric,
 per-layer behaviour agreement, and every arm's difference from the reference arm with its Welch
 interval, saying which differences are within noise) and ``curves.png`` (per-step mean over seeds
-with a 95% band). Statistics: megatron_rl/study/stats.py; the summary:
+with a 95% band). The grid: megatron_rl/study/grid.py; the runs and their markers:
+megatron_rl/study/jobs.py; statistics: megatron_rl/study/stats.py; the summary:
 megatron_rl/study/summary.py.
 
 ``--records DIR`` also writes a small record of each finished run into DIR
 (megatron_rl/study/records.py: flags, seed, revision, the per-step metrics the summary reads).
-Records of several sittings add up; ``tools/study_summary.py --records DIR --out OUT`` rebuilds
+Records of several sittings add up; ``megatron-rl study-summary --records DIR --out OUT`` rebuilds
 the summary and a deterministic ``curves.svg`` from them alone. A run DIR already records is not
 trained again into a fresh ``--out`` (records are never replaced).
 """
@@ -73,295 +76,50 @@ trained again into a fresh ``--out`` (records are never replaced).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import itertools
-import json
 import math
 import os
 import shlex
-import shutil
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import megatron_rl
+from megatron_rl.recipes import RECIPES, get_recipe
+from megatron_rl.study import records, stats
+from megatron_rl.study.curves_svg import BAND_MIN_SEEDS
+from megatron_rl.study.grid import (
+    CORRECTIONS,
+    DTYPE_SHORT,
+    PRESETS,
+    REPLAY_FLAGS,
+    ROUTING_DTYPES,
+    Arm,
+    arm_flags,
+    build_grid,
+)
+from megatron_rl.study.jobs import (
+    Job,
+    read_arm,
+    refuse_recorded_reruns,
+    run_jobs,
+    write_records,
+)
+from megatron_rl.study.run_metrics import PANELS, curve, run_scalars
+from megatron_rl.study.summary import STANDARD_NOTES, summary
 
-from megatron_rl.recipes import RECIPES, get_recipe  # noqa: E402
-from megatron_rl.study import records, stats  # noqa: E402
-from megatron_rl.study.curves_svg import BAND_MIN_SEEDS  # noqa: E402
-from megatron_rl.study.run_metrics import PANELS, curve, run_scalars  # noqa: E402
-from megatron_rl.study.summary import STANDARD_NOTES, summary  # noqa: E402
-
-LONG_TASK = ("--task", "addition-trace", "--max-response-length", "128", "--lr", "1e-4")
-PRESETS = {
-    "none": {"model": None, "rollout_dtype": "float32"},
-    "mismatch": {"model": "tiny-mismatch", "rollout_dtype": "bfloat16"},
-    "mismatch-fp8": {"model": "tiny-mismatch", "rollout_dtype": "float8"},
-    "mismatch-noise": {
-        "model": "tiny-mismatch",
-        "rollout_dtype": "bfloat16",
-        "flags": ("--rollout-router-noise", "0.05"),
-    },
-    # the long-response study (docs/study.md), from `--warm-start DIR`: bf16 serving alone, the
-    # mismatch measured on the real SGLang server; and router noise 0.05 on top, the stress arm
-    "long": {
-        "model": "warm-start",
-        "rollout_dtype": "bfloat16",
-        "flags": LONG_TASK,
-    },
-    "long-stress": {
-        "model": "warm-start",
-        "rollout_dtype": "bfloat16",
-        "flags": (*LONG_TASK, "--rollout-router-noise", "0.05"),
-    },
-}  # fmt: skip
-REPLAY_FLAGS = {
-    "off": ["--routing-replay", "off"],
-    "r2": ["--routing-replay", "r2"],
-    "r3": ["--routing-replay", "r3"],
-    "r3rec": ["--routing-replay", "r3", "--routing-record-only"],
-}
-ROUTING_DTYPES = ("auto", "uint8", "int16", "int32", "packed")
-CORRECTIONS = ("none", "tis-token", "tis-seq", "mis-token", "mis-seq", "icepop")
-DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float8": "fp8"}
-DONE = "done.json"
-METRICS = "metrics.jsonl"
-
-
-# ---------------------------------------------------------------------------------- the grid
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    loss: str
-    replay: str
-    staleness: int
-    routing_dtype: str = "auto"
-    correction: str = "none"
-    rollout_dtype: str = "float32"
-    default_rollout_dtype: str = "float32"
-    recipe: str | None = None  # ``loss`` is then an arm of this recipe (its objective)
-
-    @property
-    def name(self) -> str:
-        parts = [self.loss, f"N{self.staleness}"] if self.recipe else []
-        parts = parts or [self.loss, self.replay, f"N{self.staleness}"]
-        if self.routing_dtype != "auto":
-            parts.append(self.routing_dtype)
-        if self.correction != "none":
-            parts.append(self.correction)
-        if self.rollout_dtype != self.default_rollout_dtype:
-            parts.append(DTYPE_SHORT[self.rollout_dtype])
-        return "-".join(parts)
-
-
-def build_grid(args) -> tuple[list[Arm], list[str]]:
-    """The arms of the grid and a note per skipped combination."""
-    default_dtype = PRESETS[args.preset]["rollout_dtype"]
-    arms, skipped = [], []
-    losses, replays = args.losses, args.replay
-    if args.recipe:  # the recipe's arms carry their own loss and replay
-        losses, replays = args.losses or list(get_recipe(args.recipe).arms), ["off"]
-    for loss, replay, n, codec, correction, dtype in itertools.product(
-        losses,
-        replays,
-        args.staleness,
-        args.routing_dtype,
-        args.rollout_correction,
-        args.rollout_dtype or [default_dtype],
-    ):
-        arm = Arm(loss, replay, n, codec, correction, dtype, default_dtype, args.recipe)
-        if codec != "auto" and replay == "off":
-            skipped.append(f"{arm.name}: --routing-dtype only matters with routes (r2/r3/r3rec)")
-        elif correction != "none" and dtype == "float32":
-            skipped.append(
-                f"{arm.name}: --rollout-correction with float32 rollouts (engine and trainer "
-                "log-probs agree to ~1e-7, the weights are 1)"
-            )
-        else:
-            arms.append(arm)
-    return arms, skipped
-
-
-def arm_flags(arm: Arm, args) -> list[str]:
-    """Trainer flags of one arm (seed, run dir and extra flags excluded)."""
-    samples = args.rollout_batch_size * args.n_samples_per_prompt
-    if samples % arm.staleness:
-        raise ValueError(
-            f"--staleness {arm.staleness} does not divide --rollout-batch-size x "
-            f"--n-samples-per-prompt = {samples} samples per rollout; choose N among its divisors"
-        )
-    global_batch = samples // arm.staleness
-    micro = min(args.micro_batch_size, global_batch)
-    while global_batch % micro:
-        micro -= 1
-    model = PRESETS[args.preset]["model"]
-    if model == "warm-start":
-        model = str(args.warm_start)
-    preset_flags = PRESETS[args.preset].get("flags", ())
-    objective = ["--loss", arm.loss, *REPLAY_FLAGS[arm.replay]]
-    if arm.recipe:  # the paper's protocol and this arm's objective, at the study's scale
-        objective = get_recipe(arm.recipe).flags(arm.loss)
-    return [
-        *(["--model", model] if model else []),
-        *preset_flags,
-        *objective,
-        "--routing-dtype", arm.routing_dtype, "--rollout-correction", arm.correction,
-        "--rollout-dtype", arm.rollout_dtype,
-        "--train-iters", str(args.train_iters),
-        "--rollout-batch-size", str(args.rollout_batch_size),
-        "--n-samples-per-prompt", str(args.n_samples_per_prompt),
-        "--global-batch-size", str(global_batch), "--micro-batch-size", str(micro),
-    ]  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------- running
-@dataclasses.dataclass
-class Job:
-    """One (arm, seed) run: ``flags`` are what the marker records (resume compares them)."""
-
-    arm: str
-    seed: int
-    run_dir: Path
-    log: Path
-    flags: list[str]
-
-
-def is_done(job: Job) -> bool:
-    """A run is finished when its marker exists; a marker with other flags is an error."""
-    marker = job.run_dir / DONE
-    if not marker.exists():
-        return False
-    recorded = json.loads(marker.read_text())["flags"]
-    if recorded != job.flags:
-        raise SystemExit(
-            f"{job.run_dir} finished with other flags than this study would pass:\n"
-            f"  recorded: {shlex.join(recorded)}\n  now:      {shlex.join(job.flags)}\n"
-            "use another --out for the new study (or delete that run folder to rerun it)"
-        )
-    return True
-
-
-def _write_marker(job: Job, wall_s: float, peak_rss_kb: int, extra: dict) -> None:
-    marker = {"flags": job.flags, "wall_s": wall_s, "peak_rss_mb": peak_rss_kb / 1024.0, **extra}
-    tmp = job.run_dir / (DONE + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=1))
-    os.replace(tmp, job.run_dir / DONE)  # atomic: a marker is complete or absent
-
-
-def run_jobs(
-    jobs: Sequence[Job],
-    max_parallel: int,
-    command: Callable[[Job], list[str]],
-    env: dict[str, str] | None = None,
-    echo: Callable[[str], None] = lambda line: print(line, flush=True),
-    marker_extra: Callable[[], dict] | None = None,
-) -> list[Job]:
-    """Run the unfinished jobs, up to ``max_parallel`` at once; return the failed ones.
-
-    A job's stale run directory (an interrupted run) is removed before it starts. Each child is
-    reaped with ``os.wait4`` for its own peak RSS. ``marker_extra()``, called as each job
-    starts, goes into its marker (the code's git revision then: a study that runs for hours
-    sees commits land between its jobs).
-    """
-    if max_parallel < 1:
-        raise ValueError(f"--jobs {max_parallel}: must be >= 1")
-    pending = [job for job in jobs if not is_done(job)]
-    echo(f"{len(jobs) - len(pending)} of {len(jobs)} runs already finished; {len(pending)} to run")
-    running: dict[int, tuple[Job, subprocess.Popen, float]] = {}
-    failed: list[Job] = []
-    try:
-        while pending or running:
-            while pending and len(running) < max_parallel:
-                job = pending.pop(0)
-                if job.run_dir.exists():
-                    shutil.rmtree(job.run_dir)
-                job.log.parent.mkdir(parents=True, exist_ok=True)
-                with job.log.open("w") as log:
-                    proc = subprocess.Popen(
-                        command(job), stdout=log, stderr=subprocess.STDOUT, env=env
-                    )
-                extra = marker_extra() if marker_extra is not None else {}
-                running[proc.pid] = (job, proc, time.perf_counter(), extra)
-                echo(f"started {job.arm} seed {job.seed}")
-            pid, status, usage = os.wait4(-1, 0)
-            if pid not in running:
-                continue
-            job, proc, start, extra = running.pop(pid)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            wall = time.perf_counter() - start
-            if proc.returncode == 0 and (job.run_dir / METRICS).exists():
-                _write_marker(job, wall, usage.ru_maxrss, extra)
-                echo(f"finished {job.arm} seed {job.seed} in {wall:.0f} s")
-            else:
-                failed.append(job)
-                echo(f"FAILED {job.arm} seed {job.seed} (exit {proc.returncode}); see {job.log}")
-    finally:
-        for _, proc, _, _ in running.values():  # interrupted: stop the children, no marker
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-        for _, proc, _, _ in running.values():
-            with contextlib.suppress(ChildProcessError):
-                proc.wait()
-    return failed
+# the folder holding the package: the checkout (whose git revision each run records), or
+# site-packages for an installed wheel (revision "unknown")
+CODE_ROOT = Path(megatron_rl.__file__).resolve().parents[1]
 
 
 def revision_now() -> dict:
-    """The checkout's git revision and dirty flag now, for a run's marker and record."""
-    revision, dirty = records.git_revision(ROOT)
+    """The code's git revision and dirty flag now, for a run's marker and record."""
+    if not (CODE_ROOT / ".git").exists():  # an installed package: no checkout to ask
+        return {"revision": records.UNKNOWN_REVISION, "dirty": False}
+    revision, dirty = records.git_revision(CODE_ROOT)
     return {"revision": revision, "dirty": dirty}
 
 
-# ---------------------------------------------------------------------------------- reading
-def read_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / METRICS
-    if not path.exists():
-        return []
-    with path.open() as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def write_records(jobs: Sequence[Job], folder: Path) -> int:
-    """A record (megatron_rl/study/records.py) of every finished job in ``folder``; how many."""
-    written = 0
-    for job in jobs:
-        if (job.run_dir / DONE).exists():
-            marker = json.loads((job.run_dir / DONE).read_text())
-            record = records.make_record(job.arm, job.seed, read_rows(job.run_dir), marker)
-            try:
-                records.write_record(record, folder)
-            except ValueError as error:
-                raise SystemExit(str(error)) from None
-            written += 1
-    return written
-
-
-def refuse_recorded_reruns(jobs: Sequence[Job], folder: Path) -> None:
-    """A record is never replaced, so a run the folder records must not train again elsewhere."""
-    again = [j for j in jobs if (folder / records.record_name(j.arm, j.seed)).exists()]
-    again = [job for job in again if not is_done(job)]
-    if again:
-        raise SystemExit(
-            f"--records {folder} already holds {len(again)} of these runs (e.g. {again[0].arm} "
-            f"seed {again[0].seed}) that {again[0].run_dir.parent.parent} has not finished; add "
-            "new seeds with --first-seed, or use another --records folder"
-        )
-
-
-def read_arm(arm_dir: Path, seeds: Sequence[int]) -> list[tuple[list[dict], dict]]:
-    """``(rows, marker)`` of every finished seed of an arm."""
-    runs = []
-    for seed in seeds:
-        run_dir = arm_dir / f"seed{seed}"
-        if (run_dir / DONE).exists():
-            runs.append((read_rows(run_dir), json.loads((run_dir / DONE).read_text())))
-    return runs
-
-
-# ---------------------------------------------------------------------------------- report
 def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
     """Per panel, every arm's per-step mean over seeds with its 95% band; with fewer than
     `BAND_MIN_SEEDS` seeds, each seed's own curve (thin) instead of the band."""
@@ -435,7 +193,7 @@ def parse_args(argv: Sequence[str] | None = None):
     parser.add_argument(
         "--records",
         type=Path,
-        help="also keep a small record of each finished run here (tools/study_summary.py)",
+        help="also keep a small record of each finished run here (megatron-rl study-summary)",
     )
     parser.add_argument(
         "--trainer-command",
@@ -478,9 +236,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     clash = [e for e in args.extra if e.split("=")[0] in owned]
     if clash:
         raise SystemExit(
-            f"trainer flags {clash} after -- are set by compare_runs itself; use --seeds / "
+            f"trainer flags {clash} after -- are set by the study itself; use --seeds / "
             "--first-seed, --out, --preset, --rollout-dtype and --replay instead"
         )
+    arms: list[Arm]
     arms, skipped = build_grid(args)
     if not arms:
         raise SystemExit("the grid is empty: " + "; ".join(skipped))
@@ -514,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = dict(os.environ)
         cores = os.cpu_count() or 1
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // min(args.jobs, len(jobs)))))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CODE_ROOT), env.get("PYTHONPATH")]))
         failed = run_jobs(
             jobs,
             args.jobs,
@@ -532,9 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_arm[arm.name] = [
             run_scalars(rows, marker, args.threshold, args.final_window) for rows, marker in runs
         ]
-    command = "python tools/compare_runs.py " + shlex.join(
-        sys.argv[1:] if argv is None else list(argv)
-    )
+    command = "megatron-rl study " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     preset = PRESETS[args.preset]
     header = [
         "# Study summary",

@@ -1,15 +1,16 @@
 """Rebuild a study's summary.md and curves.svg from its committed run records; no run trains.
 
-    python tools/study_summary.py --records docs/study/runs --out docs/study
-    python tools/study_summary.py --records docs/study/runs --out docs/study --check
+    megatron-rl study-summary --records docs/study/runs --out docs/study
+    megatron-rl study-summary --records docs/study/runs --out docs/study --check
 
-``tools/compare_runs.py --records DIR`` writes one record per finished run
-(megatron_rl/study/records.py); seeds of several sittings add up in one folder. Records of one
-arm whose trainer flags differ (other than --seed) are refused, naming both files; records of
-different code revisions are listed in the summary's "Records" section (``--strict-revision``
-refuses them). ``--check`` writes nothing: it regenerates and compares with the files in
-``--out`` byte for byte, printing a diff and exiting 1 when they differ. Options not given are
-then taken from the committed summary's ``Options:`` line. (megatron_rl/study/regenerate.py)
+(``python tools/study_summary.py`` is the same command.) ``megatron-rl study --records DIR``
+writes one record per finished run (megatron_rl/study/records.py); seeds of several sittings add
+up in one folder. Records of one arm whose trainer flags differ (other than --seed) are refused,
+naming both files; records of different code revisions are listed in the summary's "Records"
+section (``--strict-revision`` refuses them). ``--check`` writes nothing: it regenerates and
+compares with the files in ``--out`` byte for byte, printing a diff and exiting 1 when they
+differ. Options not given are then taken from the committed summary's ``Options:`` line.
+(megatron_rl/study/regenerate.py)
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from megatron_rl.study import regenerate  # noqa: E402
+from megatron_rl.study import regenerate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(problems))
         print(
             f"study_summary --check: {args.out} is not what its records give; regenerate with "
-            f"python tools/study_summary.py --records {args.records} --out {args.out}",
+            f"megatron-rl study-summary --records {args.records} --out {args.out}",
             file=sys.stderr,
         )
         return 1

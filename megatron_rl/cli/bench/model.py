@@ -4,13 +4,12 @@ Measures (1) forward+backward tokens/s of the `tiny` preset, and (2) export thro
 of the streaming HF export (`iter_hf_tensors`) and of writing the HF checkpoint to disk.
 Prints a table of what it measured.
 
-    python tools/bench_model.py [--preset tiny] [--batch 4] [--seq 128] [--steps 5]
+    megatron-rl bench model [--preset tiny] [--batch 4] [--seq 128] [--steps 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 
@@ -86,4 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

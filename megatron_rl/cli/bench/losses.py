@@ -1,6 +1,6 @@
 """Forward + backward time of every registered loss relative to GRPO on the same inputs.
 
-    python tools/bench_losses.py [--batch 64] [--seq-len 4096] [--repeats 15] [--threads N]
+    megatron-rl bench losses [--batch 64] [--seq-len 4096] [--repeats 15] [--threads N]
 
 Inputs are float32 ``[batch, seq_len]`` log-probs with realistic drift and response lengths
 between seq_len/4 and seq_len; each timing is the median over ``--repeats`` runs after two
@@ -45,13 +45,13 @@ def time_loss(name: str, inputs: dict[str, torch.Tensor], repeats: int) -> float
     return statistics.median(samples)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -78,7 +78,8 @@ def main() -> None:
     Console().print(table)
     if failed:
         Console().print(f"[red]targets missed: {', '.join(failed)}[/red]")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

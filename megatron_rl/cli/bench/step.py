@@ -1,8 +1,8 @@
 """The embedded RL step's cost, paired against a baseline in the same session.
 
-    python tools/bench_step.py [--setting study-n8 study-n1 main] [--repeats 3] [--steps 6]
-                               [--old-tree DIR] [--sequential] [--aten-grouped-mm]
-                               [--unfused-attention]
+    megatron-rl bench step [--setting study-n8 study-n1 main] [--repeats 3] [--steps 6]
+                           [--old-tree DIR] [--sequential] [--aten-grouped-mm]
+                           [--unfused-attention]
 
 Each run is the real CLI (``python -m megatron_rl.train``) in its own process with one torch
 thread. Every repeat starts one baseline run and one run of this tree *at the same time*, so the
@@ -42,7 +42,10 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent
+import megatron_rl
+
+# this tree: the folder holding the package (the checkout; site-packages for an installed wheel)
+HERE = Path(megatron_rl.__file__).resolve().parents[1]
 STUDY = [
     "--model", "tiny-mismatch", "--rollout-dtype", "bfloat16",
     "--rollout-router-noise", "0.05", "--loss", "grpo",
@@ -144,7 +147,7 @@ def summary(setting: str, results: list) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--setting", nargs="+", default=["study-n8"], choices=tuple(SETTINGS))
     parser.add_argument("--repeats", type=int, default=3)
@@ -163,7 +166,7 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="also write the tables to this markdown file")
     parser.add_argument("--warm-start", type=Path, help="the study's warm start (study-long)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if "study-long" in args.setting and args.warm_start is None:
         parser.error("--setting study-long needs --warm-start DIR (python -m "
                      "megatron_rl.study.warm_start --out DIR)")  # fmt: skip
@@ -194,7 +197,8 @@ def main() -> None:
             print(tables[-1], flush=True)
     if args.out:
         args.out.write_text("\n".join(tables) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,8 +1,8 @@
 """The in-process engine on a study-sized request: expert kernels and batch sizes, paired.
 
-    python tools/bench_engine.py [--preset tiny] [--dtype float32 bfloat16] [--prompts 16]
-                                 [--n 8] [--new-tokens 4] [--repeats 20]
-                                 [--batch-sizes 64 256] [--json out.json]
+    megatron-rl bench engine [--preset tiny] [--dtype float32 bfloat16] [--prompts 16]
+                             [--n 8] [--new-tokens 4] [--repeats 20]
+                             [--batch-sizes 64 256] [--json out.json]
 
 One ``generate`` call of ``--prompts`` prompts x ``--n`` samples (the study's rollout: 16 x 8,
 prompts of 3 tokens over the built-in task's 16-token vocabulary, ``--new-tokens`` 4, seeded

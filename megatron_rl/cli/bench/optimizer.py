@@ -1,7 +1,7 @@
 """One optimizer step of the policy, megatron's per-tensor path against the buffer-level one.
 
-    python tools/bench_optimizer.py [--preset tiny] [--dtype float32] [--distributed]
-                                    [--sequential] [--repeats 40] [--fused]
+    megatron-rl bench optimizer [--preset tiny] [--dtype float32] [--distributed]
+                                [--sequential] [--repeats 40] [--fused]
 
 A step is what `PolicyOptimizer` runs between two backward passes: ``zero_grad()``, then (random
 gradients written into megatron's grad buffers, not timed) ``finalize_model_grads``, the grad

@@ -14,7 +14,7 @@ make long answers for all their samples), which is what makes whole-prompt share
   Imbalance = the busiest rank's tokens / the mean rank's, per mini-batch (the step waits for
   the busiest rank), for real tokens and for padded tokens under a token budget.
 
-    python tools/bench_batching.py [--samples 512 --dp 8 --seed 0]
+    megatron-rl bench batching [--samples 512 --dp 8 --seed 0]
 """
 
 from __future__ import annotations
@@ -23,11 +23,7 @@ import argparse
 import math
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_rl.train.balance import (
     karmarkar_karp,
@@ -131,7 +127,7 @@ def imbalance_table(lengths: list[int], args) -> None:
         print(f"{name:>24} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--n-samples-per-prompt", type=int, default=16)
@@ -156,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     padding_table(lengths, args)
     imbalance_table(lengths, args)
     print(f"\n# {time.perf_counter() - start:.2f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

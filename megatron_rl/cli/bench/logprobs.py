@@ -1,7 +1,7 @@
 """Peak extra memory and time of ``token_logprobs`` / ``token_entropy``: chunked vs the old code.
 
-    python tools/bench_logprobs.py [--sizes 2048x8192,4096x32768] [--batch 1] [--chunk 4096]
-                                   [--repeats 5] [--dtype float32|bfloat16] [--temperature 1.0]
+    megatron-rl bench logprobs [--sizes 2048x8192,4096x32768] [--batch 1] [--chunk 4096]
+                               [--repeats 5] [--dtype float32|bfloat16] [--temperature 1.0]
 
 TP=1 on CPU (a world-size-1 gloo group), one intra-op thread. "old" is the implementation before
 issue 10 (a float32 copy of the whole logits shard for log-probs; a full-vocabulary gather,
@@ -107,7 +107,7 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2048x8192,4096x32768", help="SEQxVOCAB,...")
     parser.add_argument("--batch", type=int, default=1)
@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--temperature", type=float, default=1.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
 
@@ -136,6 +136,7 @@ def main() -> None:
     for row in (r for size_rows in rows for r in size_rows):
         table.add_row(*row)
     Console(width=140).print(table)
+    return 0
 
 
 def run_size(args, dtype, size: str) -> list[tuple[str, ...]]:
@@ -171,4 +172,4 @@ def run_size(args, dtype, size: str) -> list[tuple[str, ...]]:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
