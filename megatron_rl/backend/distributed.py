@@ -38,7 +38,9 @@ def init_distributed(
         parallel: model-parallel sizes.
         rank, world_size: default to the RANK/WORLD_SIZE environment (torchrun), else 0/1.
         init_method: e.g. ``file:///tmp/rdzv`` or ``tcp://host:port``; defaults to ``env://``
-            when MASTER_ADDR is set (torchrun), else a free local TCP port (single process).
+            when MASTER_ADDR is set (torchrun), else (single process) a store this process
+            binds on a local port the OS picks (``tcp://127.0.0.1:0``: no port is picked free
+            and bound later, which another process could take in between).
         device: "auto", "cpu" or "cuda" (see `select_device`).
 
     Returns:
@@ -50,7 +52,7 @@ def init_distributed(
     compute_device = select_device(device)
     if not dist.is_initialized():
         if init_method is None:
-            init_method = "env://" if "MASTER_ADDR" in os.environ else _free_tcp_address()
+            init_method = "env://" if "MASTER_ADDR" in os.environ else "tcp://127.0.0.1:0"
         backend = "nccl" if compute_device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend=backend, init_method=init_method, rank=rank, world_size=world_size
@@ -93,12 +95,3 @@ def destroy_distributed() -> None:
         setattr(parallel_state, name, None)
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_tcp_address() -> str:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"tcp://127.0.0.1:{port}"

@@ -16,7 +16,10 @@ One deliberate difference on rank 0: it hosts the ``TCPStore`` itself instead of
 ``rendezvous``, because under ``torchrun`` (``TORCHELASTIC_USE_AGENT_STORE=True``) the
 ``tcp://`` rendezvous turns every rank into a client of the elastic agent's store and nobody
 would listen on ``master_port``. The store it builds is the one the rendezvous gives rank 0
-otherwise (``is_master=True``, multi-tenant), so the keys are identical.
+otherwise (``is_master=True``, multi-tenant), so the keys are identical. The trainer binds it
+with `host_store` before the servers are told its address: on port 0 the OS picks the port and
+the store holds it from then on (a port picked free, released and bound again later could be
+taken in between: EADDRINUSE); the servers' ranks connect to a store that already listens.
 
 Group names are global per process in torch (a second group of the same name is refused), and
 SGLang keeps a group until ``/destroy_weights_update_group``: `unique_group_name` gives every
@@ -75,6 +78,24 @@ def tcp_init_method(address: str, port: int) -> str:
     return f"tcp://{host}:{int(port)}"
 
 
+def host_store(master_address: str, master_port: int = 0, timeout_s: float = 120.0):
+    """Rank 0's ``TCPStore`` for a group, listening from now on: ``master_port`` 0 lets the
+    OS pick the port (``store.port`` is the one to tell the other ranks).
+
+    The store SGLang's rendezvous would give rank 0 (``is_master=True``, multi-tenant); it
+    does not wait for the other ranks here (the group's creation does).
+    """
+    return dist.TCPStore(
+        master_address.strip("[]"),
+        int(master_port),
+        None,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+
+
 def init_weight_group(
     *,
     backend: str,
@@ -84,11 +105,14 @@ def init_weight_group(
     world_size: int,
     group_name: str,
     timeout_s: float = 120.0,
+    store: dist.TCPStore | None = None,
 ) -> dist.ProcessGroup:
     """This side's member of the group (blocks until all ``world_size`` ranks joined).
 
     Same store, prefixes and group construction as SGLang's ``init_custom_process_group``; rank
-    0 (the trainer) hosts the ``TCPStore``. Does not need (nor touch) the default group.
+    0 (the trainer) hosts the ``TCPStore``: ``store``, from `host_store` (bound before the
+    other ranks were told its port), else one bound here on ``master_port``. Does not need
+    (nor touch) the default group.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
@@ -96,32 +120,36 @@ def init_weight_group(
         raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
     if not group_name:
         raise ValueError("group_name must not be empty")
+    if store is not None and rank != 0:
+        raise ValueError(f"rank={rank}: only rank 0 hosts the group's store")
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
-        store = dist.TCPStore(
-            master_address.strip("[]"),
-            int(master_port),
-            world_size,
-            is_master=True,
-            timeout=timeout,
-            multi_tenant=True,
-        )
+        if store is None:
+            store = host_store(master_address, master_port, timeout_s)
     else:
         init_method = tcp_init_method(master_address, master_port)
         store, _, _ = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = dist.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        c10d.Backend(backend),
-        store,
-        group_name=group_name,
-        timeout=timeout,
-        device_id=None,
-        **{_OPTIONS_KW: None},
-    )
+    try:
+        group, _ = c10d._new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            c10d.Backend(backend),
+            store,
+            group_name=group_name,
+            timeout=timeout,
+            device_id=None,
+            **{_OPTIONS_KW: None},
+        )
+    except dist.DistStoreError as err:
+        if "timeout" not in str(err).lower():
+            raise
+        raise dist.DistStoreError(
+            f"weight group {group_name!r}: rank {rank} timed out after {timeout_s:g} s waiting "
+            f"for all {world_size} ranks to join ({err})"
+        ) from err
     # Group ranks are global ranks here (what ``dist.broadcast(..., src=0, group=...)`` maps).
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import HeldPort
 
 from megatron_rl.train.config import parse_args
 
@@ -778,20 +779,20 @@ exec python3 -m http.server "${FAKE_PORT}" --bind 127.0.0.1 --directory "${FAKE_
 """
 
 
-def _free_port() -> int:
-    import socket
+@pytest.fixture
+def server_port():
+    """The fake server's port, held by the test until the server (``http.server`` binds with
+    ``SO_REUSEADDR``) has it: no other process can be given it in between."""
+    with HeldPort() as port:
+        yield port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
-
-def _colocated_node(tmp_path: Path, server: str, **env) -> subprocess.Popen:
-    """One colocated node for real, started: ``server`` is the fake SGLang interpreter's script;
-    the fake torchrun exits FAKE_EXIT (3) or waits for SIGTERM (``FAKE_EXIT=""``)."""
+def _colocated_node(tmp_path: Path, server: str, port: int, **env) -> subprocess.Popen:
+    """One colocated node for real, started: ``server`` is the fake SGLang interpreter's script,
+    ``port`` its SGLANG_PORT; the fake torchrun exits FAKE_EXIT (3) or waits for SIGTERM
+    (``FAKE_EXIT=""``)."""
     fake = _fake_bin(tmp_path, "torchrun", FAKE_TORCHRUN)
     python = _fake_bin(tmp_path, "fake-sglang-python", server) / "fake-sglang-python"
-    port = _free_port()
     run_dir = tmp_path / "run"
     (run_dir / ".nodes").mkdir(parents=True)
     environment = _base_env(
@@ -807,12 +808,14 @@ def _colocated_node(tmp_path: Path, server: str, **env) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # ~3 s: waits on real processes
-def test_colocated_node_starts_its_server_first_and_stops_it_when_training_fails(tmp_path):
+def test_colocated_node_starts_its_server_first_and_stops_it_when_training_fails(
+    tmp_path, server_port
+):
     """For real, with a fake server (answers /health) and a fake torchrun that exits 3: the
     node exits 3 and its server's process group is gone."""
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "health").write_text("ok")
-    process = _colocated_node(tmp_path, FAKE_SERVER)
+    process = _colocated_node(tmp_path, FAKE_SERVER, server_port)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 3, err
     assert (tmp_path / "torchrun.pid").exists()  # training started after /health answered
@@ -822,8 +825,8 @@ def test_colocated_node_starts_its_server_first_and_stops_it_when_training_fails
     assert (tmp_path / "run" / "sglang-node0.log").exists()
 
 
-def test_colocated_node_fails_without_training_when_its_server_dies_at_start(tmp_path):
-    process = _colocated_node(tmp_path, 'echo "no GPU" >&2; exit 1\n')
+def test_colocated_node_fails_without_training_when_its_server_dies_at_start(tmp_path, server_port):
+    process = _colocated_node(tmp_path, 'echo "no GPU" >&2; exit 1\n', server_port)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 1
     assert "node 0's SGLang server exited before answering /health; see " in err
@@ -832,10 +835,10 @@ def test_colocated_node_fails_without_training_when_its_server_dies_at_start(tmp
 
 
 @pytest.mark.slow  # ~3 s: waits on real processes
-def test_sigterm_stops_the_colocated_nodes_training_then_its_server(tmp_path):
+def test_sigterm_stops_the_colocated_nodes_training_then_its_server(tmp_path, server_port):
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "health").write_text("ok")
-    process = _colocated_node(tmp_path, FAKE_SERVER, FAKE_EXIT="")
+    process = _colocated_node(tmp_path, FAKE_SERVER, server_port, FAKE_EXIT="")
     _wait_for_torchrun(tmp_path, process)
     server_pid = int((tmp_path / "server.pid").read_text())
     process.send_signal(signal.SIGTERM)

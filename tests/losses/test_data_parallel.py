@@ -3,9 +3,6 @@ small policy when losses use global denominators and gradients are all-reduced w
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,9 +49,8 @@ def _grad(name, mode, rows, global_counts):
     return weight.grad, mask
 
 
-def _worker(rank: int, port: int, cases, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank: int, init_method: str, cases, queue) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     try:
         results = []
         for name, mode in cases:
@@ -72,14 +68,8 @@ def _worker(rank: int, port: int, cases, queue) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_two_rank_data_parallel_matches_full_batch_gradient():
+def test_two_rank_data_parallel_matches_full_batch_gradient(tmp_path):
     cases = [
         ("grpo", "seq-mean-token-mean"),
         ("dapo", "token-mean"),
@@ -90,8 +80,8 @@ def test_two_rank_data_parallel_matches_full_batch_gradient():
     ]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, cases, queue)) for rank in (0, 1)]
+    init_method = f"file://{tmp_path}/rdzv"  # a file rendezvous: no port to pick
+    procs = [ctx.Process(target=_worker, args=(rank, init_method, cases, queue)) for rank in (0, 1)]
     for p in procs:
         p.start()
     outputs = dict(queue.get(timeout=120) for _ in procs)

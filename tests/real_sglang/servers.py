@@ -7,6 +7,13 @@ test-only shims of ``shims/`` on its ``PYTHONPATH``; `RealServer.stop` / `RealRo
 signal that group only (SIGTERM, SIGKILL after 30 s) and run at interpreter exit too, so a
 failed test run leaves no server behind (a test process killed with SIGKILL still does).
 
+Ports: neither the server nor the router can bind port 0 and report it, and each picks ports of
+its own while it starts (the server's scheduler group, the router's metrics). So each start
+draws its port below the kernel's ephemeral range and holds it (`ports.HeldPort`: no ``bind(0)``,
+outgoing connection or other test's draw gets it; the server binds it with ``SO_REUSEADDR``)
+until the process is ready; a start that exits having logged a failed bind ("address already
+in use") is started again on a fresh port by `wait_ready`, `START_ATTEMPTS` times at most.
+
 ``MEGATRON_RL_REAL_SGLANG=require`` turns a missing venv from a skip into an error (CI).
 """
 
@@ -17,13 +24,14 @@ import contextlib
 import http.client
 import json
 import os
-import random
+import re
 import signal
-import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from ports import HeldPort
 
 from megatron_rl.parent_death import popen_dies_with_this_thread
 
@@ -38,6 +46,15 @@ HOST = "127.0.0.1"
 # (sglang/srt/entrypoints/http_server.py: HEALTH_CHECK_TIMEOUT, env SGLANG_HEALTH_CHECK_TIMEOUT)
 HEALTH_CHECK_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 30.0
+# starts of one server or router, the first included, when a start fails to bind a port
+START_ATTEMPTS = 3
+# what the server (uvicorn, SGLang's port checks, torch's TCPStore) and the router log when a
+# port they bind is taken
+BIND_FAILURE = re.compile(
+    r"address already in use|EADDRINUSE|is not available in \d+ seconds|"
+    r"Port is already in use|error while attempting to bind",
+    re.IGNORECASE,
+)
 
 # SGLang's CPU engine with torch-native kernels only, sized for a tiny model
 SERVER_ENV = {
@@ -77,30 +94,6 @@ def require() -> None:
     import pytest
 
     pytest.skip(reason, allow_module_level=True)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now, drawn below the kernel's ephemeral range.
-
-    A port the OS picks (``bind(0)``) comes from that range, and while an SGLang server starts
-    (tens of seconds under load) any outgoing connection of the other test worker (gloo, HTTP
-    clients) can be handed the same port: the server then fails with "address already in use".
-    """
-    ephemeral_low = 32768  # Linux's default start of ip_local_port_range
-    with contextlib.suppress(OSError, ValueError):
-        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    draw = random.SystemRandom()  # not the tests' seeded generator: workers must differ
-    for _ in range(100):
-        port = draw.randrange(20000, max(ephemeral_low, 20001))
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((HOST, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # the OS's pick
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def task_hf_config(**overrides):
@@ -171,15 +164,48 @@ def request(url: str, method: str, path: str, body=None, *, timeout_s: float = 3
 
 
 class _Process:
-    """A command in its own session with output to ``log_path``; `stop` ends its group."""
+    """A command in its own session with output to ``log_path``; `stop` ends its group.
+
+    ``command(port, hold)`` gives the command line for a start on ``port``; ``hold()`` gives it
+    one more port, held like the main one (drawn below the ephemeral range) until the process
+    is ready. ``port`` None: drawn and held for each start, and a start that exits having
+    logged a failed bind is started again on fresh ports by `wait_ready` (`START_ATTEMPTS` in
+    all); a given port is used as it is, once.
+    """
 
     kind = "process"
 
-    def __init__(self, cmd: Sequence[str], *, env: dict, log_path, port: int) -> None:
-        self.port = port
-        self.url = f"http://{HOST}:{port}"
+    def __init__(
+        self,
+        command: Callable[[int, Callable[[], int]], Sequence[str]],
+        *,
+        env: dict,
+        log_path,
+        port: int | None,
+    ) -> None:
         self.log_path = Path(log_path)
-        self.command = list(cmd)
+        self.attempts = 0
+        self._command, self._env, self._given_port = command, env, port
+        self._held: list[HeldPort] = []
+        self._stopped = True
+        self._start()
+
+    def _hold(self) -> int:
+        held = HeldPort.below_ephemeral(HOST)
+        self._held.append(held)
+        return held.port
+
+    def _release_ports(self) -> None:
+        for held in self._held:
+            held.close()
+        self._held = []
+
+    def _start(self) -> None:
+        self.attempts += 1
+        self.port = self._hold() if self._given_port is None else self._given_port
+        self.url = f"http://{HOST}:{self.port}"
+        self.command = list(self._command(self.port, self._hold))
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.started_at = time.monotonic()
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
@@ -187,7 +213,7 @@ class _Process:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(SHIMS_DIR), **env},
+                env={**os.environ, "PYTHONPATH": str(SHIMS_DIR), **self._env},
                 cwd=REPO_ROOT,
                 start_new_session=True,
                 # a test run killed with SIGKILL (no atexit) takes its servers with it; their own
@@ -196,6 +222,15 @@ class _Process:
             )
         self._stopped = False
         atexit.register(self.stop)
+
+    def _restartable(self) -> bool:
+        """Whether this start failed to bind a port and may be retried on fresh ones."""
+        if self._given_port is not None or self.attempts >= START_ATTEMPTS:
+            return False
+        with open(self.log_path, "rb") as log:
+            log.seek(self._log_start)
+            text = log.read().decode(errors="replace")
+        return BIND_FAILURE.search(text) is not None
 
     @property
     def pid(self) -> int:
@@ -215,22 +250,34 @@ class _Process:
         raise NotImplementedError
 
     def wait_ready(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> float:
-        """Poll until the process answers; returns the seconds since it was started.
+        """Poll until the process answers; returns the seconds since its last start.
 
-        Raises RuntimeError (with the log's tail) if the process exits first, TimeoutError
-        after ``timeout_s``; either way the process group is stopped first.
+        A start that exits having logged a failed bind is started again on fresh ports (see
+        the class). Raises RuntimeError (with the log's tail) if the process exits otherwise,
+        TimeoutError after ``timeout_s`` (all starts together); either way the process group
+        is stopped first.
         """
         deadline = time.monotonic() + timeout_s
         while True:
             if not self.alive():
                 code = self.process.returncode
+                if self._restartable():
+                    self.stop()
+                    with open(self.log_path, "a") as log:
+                        log.write(
+                            f"\n[servers.py] port {self.port}: a bind failed (exit code {code}); "
+                            f"starting again on another port (start {self.attempts + 1})\n"
+                        )
+                    self._start()
+                    continue
                 self.stop()
                 raise RuntimeError(
                     f"{self.kind} {self.url} (pid {self.pid}) exited with code {code} before it "
-                    f"was ready; log {self.log_path}:\n{self.log_tail()}"
+                    f"was ready (start {self.attempts}); log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
                 if self._ready():
+                    self._release_ports()  # the process listens on them now
                     return time.monotonic() - self.started_at
             except (OSError, http.client.HTTPException):
                 pass
@@ -260,6 +307,7 @@ class _Process:
             time.sleep(0.1)
         else:
             _signal_group(group, signal.SIGKILL)
+        self._release_ports()
         return self.process.wait()
 
 
@@ -296,9 +344,9 @@ class RealRouter(_Process):
 
     kind = "sglang-router"
 
-    def __init__(self, cmd: Sequence[str], *, env: dict, log_path, port: int, workers: int):
-        super().__init__(cmd, env=env, log_path=log_path, port=port)
+    def __init__(self, command, *, env: dict, log_path, port: int | None, workers: int):
         self.workers = workers
+        super().__init__(command, env=env, log_path=log_path, port=port)
 
     def _ready(self) -> bool:
         # /health answers 200 before the router has registered its workers (it probes their
@@ -319,34 +367,44 @@ def start_server(
     extra_args: Sequence[str] = (),
     log_path,
 ) -> RealServer:
-    """Launch the real SGLang server on ``model_dir`` (HF folder) at 127.0.0.1:``port`` (a free
-    one by default); ``dtype``: "bfloat16" or "float32" (or "auto"). ``extra_args`` follow the
-    defaults (a later flag wins). Returns at once: call ``wait_ready`` (start-up ~20-50 s)."""
-    port = free_port() if port is None else port
-    cmd = [
-        str(SGLANG_PYTHON), "-m", "sglang.launch_server",
-        "--model-path", os.fspath(model_dir),
-        "--host", HOST, "--port", str(port),
-        "--dtype", dtype,
-        *SERVER_FLAGS, *extra_args,
-    ]  # fmt: skip
-    return RealServer(cmd, env=SERVER_ENV, log_path=log_path, port=port)
+    """Launch the real SGLang server on ``model_dir`` (HF folder) at 127.0.0.1:``port`` (drawn
+    and held by default, started again on another if a bind fails: see the module);
+    ``dtype``: "bfloat16" or "float32" (or "auto"). ``extra_args`` follow the defaults (a later
+    flag wins). Returns at once: call ``wait_ready`` (start-up ~20-50 s), then read ``url``."""
+
+    def command(port: int, hold) -> list[str]:
+        return [
+            str(SGLANG_PYTHON), "-m", "sglang.launch_server",
+            "--model-path", os.fspath(model_dir),
+            "--host", HOST, "--port", str(port),
+            "--dtype", dtype,
+            *SERVER_FLAGS, *extra_args,
+        ]  # fmt: skip
+
+    return RealServer(command, env=SERVER_ENV, log_path=log_path, port=port)
 
 
 def start_router(worker_urls: Sequence[str], *, port: int | None = None, log_path) -> RealRouter:
-    """Launch sglang-router in front of ``worker_urls`` at 127.0.0.1:``port``; its Prometheus
-    exporter goes to another free port on 127.0.0.1 (default 0.0.0.0:29000 would collide).
-    ``wait_ready`` returns once every worker is registered and healthy."""
+    """Launch sglang-router in front of ``worker_urls`` at 127.0.0.1:``port`` (drawn and held
+    by default, as the server's); its Prometheus exporter goes to another held port on
+    127.0.0.1 (default 0.0.0.0:29000 would collide). ``wait_ready`` returns once every worker
+    is registered and healthy."""
     if not worker_urls:
         raise ValueError("start_router: worker_urls is empty")
-    port = free_port() if port is None else port
-    cmd = [
-        str(SGLANG_PYTHON), "-m", "sglang_router.launch_router",
-        "--worker-urls", *worker_urls,
-        "--host", HOST, "--port", str(port),
-        "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
-    ]  # fmt: skip
+
+    def command(port: int, hold) -> list[str]:
+        return [
+            str(SGLANG_PYTHON), "-m", "sglang_router.launch_router",
+            "--worker-urls", *worker_urls,
+            "--host", HOST, "--port", str(port),
+            "--prometheus-host", HOST, "--prometheus-port", str(hold()),
+        ]  # fmt: skip
+
     # the launcher imports sglang (hence torchvision): the same shims as the server
     return RealRouter(
-        cmd, env={"HF_HUB_OFFLINE": "1"}, log_path=log_path, port=port, workers=len(worker_urls)
+        command,
+        env={"HF_HUB_OFFLINE": "1"},
+        log_path=log_path,
+        port=port,
+        workers=len(worker_urls),
     )

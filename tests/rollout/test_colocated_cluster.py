@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from colocated_hosts import rank_host
+from ports import torchrun
 from real_sglang.servers import write_tiny_checkpoint
-from torchrun_cli import ROOT, SMALL, free_port
+from torchrun_cli import ROOT, SMALL
 
 from megatron_rl.model.presets import load_hf_config
 from megatron_rl.rollout import InProcessEngine
@@ -46,8 +46,7 @@ def _train(model: Path, run_dir: Path, servers, *flags: str) -> tuple[int, str]:
     """torchrun 2 ranks of the real CLI, each rank on its own "node"; (exit code, log)."""
     urls = [arg for s in servers for arg in ("--sglang-url", s.url)]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(free_port()), str(Path(__file__).parent / "colocated_hosts.py"),
+        *torchrun(2), str(Path(__file__).parent / "colocated_hosts.py"),
         "--model", str(model), "--run-dir", str(run_dir), "--device", "cpu", "--no-progress",
         "--train-iters", str(STEPS), "--torch-threads", "1", *SMALL,
         "--rollout-engine", "sglang", *urls, "--colocate", "--weight-sync-transport", "tensor",

@@ -1,15 +1,16 @@
 """Launch helpers: SGLang command lines (sglang itself cannot run here) and the health wait.
 
 The health wait and process handling run against the loopback server, in-thread and as a real
-subprocess started by `start_process`.
+subprocess started by `start_process` (on port 0: it logs the port it bound). A dead port is one
+the test holds bound without listening (`ports.HeldPort`): refused, and no other process's.
 """
 
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
+from ports import HeldPort, port_from_log
 from rollout_testing import tiny_config
 
 from megatron_rl.rollout import SamplingParams
@@ -23,12 +24,6 @@ from megatron_rl.rollout.launch import (
     wait_healthy,
 )
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_server_command_has_the_rl_flags():
@@ -67,22 +62,23 @@ def test_wait_healthy_returns_once_the_server_answers(servers):
 
 
 def test_wait_healthy_times_out_on_a_dead_port():
-    with pytest.raises(RuntimeError, match=r"within 0\.5 s"):
-        wait_healthy(f"http://127.0.0.1:{_free_port()}", timeout_s=0.5, poll_s=0.1)
+    with HeldPort() as port, pytest.raises(RuntimeError, match=r"within 0\.5 s"):
+        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=0.5, poll_s=0.1)
 
 
 def test_wait_healthy_reports_a_process_that_exited():
     process = start_process([sys.executable, "-c", "raise SystemExit(3)"])
-    with pytest.raises(RuntimeError, match="exited with code 3"):
-        wait_healthy(f"http://127.0.0.1:{_free_port()}", timeout_s=30.0, process=process)
+    with HeldPort() as port, pytest.raises(RuntimeError, match="exited with code 3"):
+        wait_healthy(f"http://127.0.0.1:{port}", timeout_s=30.0, process=process)
 
 
 @pytest.mark.slow
 def test_start_wait_generate_stop_a_server_subprocess(tmp_path):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "megatron_rl.testing.loopback_server", "--port", str(port)]
-    process = start_process(cmd, log_path=tmp_path / "server.log")
+    cmd = [sys.executable, "-m", "megatron_rl.testing.loopback_server", "--port", "0"]
+    log = tmp_path / "server.log"
+    process = start_process(cmd, log_path=log)
     try:
+        port = port_from_log(log, r"loopback server on http://127\.0\.0\.1:(\d+)", process=process)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, timeout_s=120.0, process=process)
         config = SGLangEngineConfig.from_hf_config(tiny_config(), http=HttpPoolConfig(urls=(url,)))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import torchrun
 from real_sglang import servers as real
 from rollout_testing import direct_logprobs, random_hf_model
 
@@ -519,8 +520,7 @@ def test_each_pipeline_stage_sends_its_own_weights_to_the_real_server(server, tm
     run_dir = tmp_path / "run"
     steps = 3
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(real.free_port()), "-m", "megatron_rl.train",
+        *torchrun(2), "-m", "megatron_rl.train",
         "--run-dir", str(run_dir), "--device", "cpu", "--no-progress",
         "--rollout-engine", "sglang", "--sglang-url", server.url,
         "--weight-sync-transport", "distributed", "--pipeline-model-parallel-size", "2",

@@ -1,18 +1,20 @@
 """``serve --heartbeat-file``: the servers of a serving node stop when the training job on other
 nodes is gone. The servers here are fake: a small HTTP process (and a child of its own, in its
-process group) started by serve's own `start_process`; no sglang, no GPU."""
+process group) started by serve's own `start_process`; no sglang, no GPU. Each server's port is
+held by the test (`ports.HeldPort`) until the server, which binds with ``SO_REUSEADDR``
+(``http.server``), has it."""
 
 from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from ports import HeldPort
 
 from megatron_rl.rollout import serve
 from megatron_rl.rollout.launch import DEFAULT_PROBE_TIMEOUT_S
@@ -38,12 +40,6 @@ class Health(http.server.BaseHTTPRequestHandler):
 
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _running(pid: int) -> bool:
@@ -92,38 +88,39 @@ def _serve_fake(
     after its health check); (exit status, the first server's pids, seconds serving)."""
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
-    port, pid_file = _free_port(), tmp_path / "pids"
-    plan = [
-        (
-            [sys.executable, str(script), str(port), str(pid_file)],
-            {"CUDA_VISIBLE_DEVICES": "0"},
-            f"http://127.0.0.1:{port}",
-            "URL",
-        )
-    ]
-    if dying:
-        crashing, other = tmp_path / "dying_server.py", _free_port()
-        crashing.write_text(DYING_SERVER)
-        plan.append(
+    pid_file = tmp_path / "pids"
+    with HeldPort() as port, HeldPort() as other:  # ours until the servers bind them
+        plan = [
             (
-                [sys.executable, str(crashing), str(other)],
-                {"CUDA_VISIBLE_DEVICES": "1"},
-                f"http://127.0.0.1:{other}",
+                [sys.executable, str(script), str(port), str(pid_file)],
+                {"CUDA_VISIBLE_DEVICES": "0"},
+                f"http://127.0.0.1:{port}",
                 "URL",
             )
+        ]
+        if dying:
+            crashing = tmp_path / "dying_server.py"
+            crashing.write_text(DYING_SERVER)
+            plan.append(
+                (
+                    [sys.executable, str(crashing), str(other)],
+                    {"CUDA_VISIBLE_DEVICES": "1"},
+                    f"http://127.0.0.1:{other}",
+                    "URL",
+                )
+            )
+        args = argparse.Namespace(
+            log_dir=str(tmp_path),
+            health_timeout=60.0,
+            health_probe_timeout=DEFAULT_PROBE_TIMEOUT_S,
+            heartbeat_file=None if heartbeat is None else str(heartbeat),
+            heartbeat_timeout=timeout_s,
+            heartbeat_poll=0.05,
         )
-    args = argparse.Namespace(
-        log_dir=str(tmp_path),
-        health_timeout=60.0,
-        health_probe_timeout=DEFAULT_PROBE_TIMEOUT_S,
-        heartbeat_file=None if heartbeat is None else str(heartbeat),
-        heartbeat_timeout=timeout_s,
-        heartbeat_poll=0.05,
-    )
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    start = time.monotonic()
-    status = serve._serve(plan, args)
-    elapsed = time.monotonic() - start
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+        start = time.monotonic()
+        status = serve._serve(plan, args)
+        elapsed = time.monotonic() - start
     assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # restored
     pids = [int(pid) for pid in pid_file.read_text().split()]
     return status, pids, elapsed

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import io
 import multiprocessing
-import socket
 
 import pytest
 import torch
@@ -32,12 +31,6 @@ TENSORS = [
     ("b.bias", torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)),
     ("c.index", torch.tensor([[7, -1], [2**40, 0]], dtype=torch.int64)),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _sglang_receiver(group_name: str, group):
@@ -103,8 +96,9 @@ def test_trainer_group_interoperates_with_sglangs_init_custom_process_group(
     """Also under torchrun, whose agent-store setting would make a ``tcp://`` rendezvous on
     rank 0 a mere client: the trainer must still host the store. Mixed dtypes: the int64
     tensor would start unaligned after the bf16 one, so `flat_buckets` cuts a bucket there
-    (SGLang 0.5.23 refuses an unaligned start)."""
-    port = _free_port()
+    (SGLang 0.5.23 refuses an unaligned start). The trainer's store listens before SGLang's
+    side is told its port, as in a sync (`weight_group.host_store`)."""
+    store = weight_group.host_store("127.0.0.1", 0, TIMEOUT_S)
     name = weight_group.unique_group_name("contract")
     buckets = list(flat_bucket.flat_buckets(TENSORS, bucket_bytes=1 << 20))
     assert [len(b) for b in buckets] == [2, 1]
@@ -119,7 +113,8 @@ def test_trainer_group_interoperates_with_sglangs_init_custom_process_group(
     ]
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
-    server = context.Process(target=_sglang_server_rank, args=(child, port, 2, name, requests))
+    args = (child, store.port, 2, name, requests)
+    server = context.Process(target=_sglang_server_rank, args=args)
     server.start()
     try:
         assert parent.poll(120) and parent.recv()[0] == "ready"
@@ -128,11 +123,12 @@ def test_trainer_group_interoperates_with_sglangs_init_custom_process_group(
         group = weight_group.init_weight_group(
             backend="gloo",
             master_address="127.0.0.1",
-            master_port=port,
+            master_port=store.port,
             rank=0,
             world_size=2,
             group_name=name,
             timeout_s=TIMEOUT_S,
+            store=store,
         )
         for bucket in buckets:
             if flattened:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
-import sys
 from pathlib import Path
+
+from ports import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = (
@@ -16,11 +16,10 @@ SMALL = (
 
 
 def torchrun_train(model: Path, run_dir: Path, *flags: str, steps: int = 2) -> list[dict]:
-    """``torchrun --nproc-per-node 2 -m megatron_rl.train`` with a small batch; the metric rows
-    (the exit code and the output's tail are the assertion's message)."""
+    """``torchrun --standalone --nproc-per-node 2 -m megatron_rl.train`` with a small batch; the
+    metric rows (the exit code and the output's tail are the assertion's message)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(free_port()), "-m", "megatron_rl.train",
+        *torchrun(2), "-m", "megatron_rl.train",
         "--model", str(model), "--run-dir", str(run_dir), "--device", "cpu", "--no-progress",
         "--train-iters", str(steps), "--torch-threads", "1", *SMALL, *flags,
     ]  # fmt: skip
@@ -31,9 +30,3 @@ def torchrun_train(model: Path, run_dir: Path, *flags: str, steps: int = 2) -> l
         code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=out, timeout=1800).returncode
     assert code == 0, log.read_text()[-8000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

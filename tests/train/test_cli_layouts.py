@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ports import torchrun
 from real_sglang.servers import write_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,8 +81,7 @@ def test_the_cli_under_torchrun_runs_the_layout(arm, four_layers, tmp_path):
     flags, _ = ARMS[arm]
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(_free_port()), "-m", "megatron_rl.train",
+        *torchrun(2), "-m", "megatron_rl.train",
         "--model", str(four_layers), "--run-dir", str(run_dir), "--device", "cpu",
         "--no-progress", "--train-iters", str(STEPS), "--torch-threads", "1", *SMALL, *flags,
     ]  # fmt: skip
@@ -107,11 +106,3 @@ def test_the_cli_under_torchrun_runs_the_layout(arm, four_layers, tmp_path):
             layers = {k for k in keys if k.split("/")[2] == phase}
             want = {f"routing/agreement/{phase}/layer_{n}" for n in (1, 2, 3, 4)}
             assert layers == want, (phase, sorted(layers))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -263,19 +263,15 @@ def test_the_cli_under_torchrun_refills_on_two_data_parallel_ranks_with_async_ro
     """The real entry point, 2 gloo ranks: both ranks train full batches of groups with signal
     (round 0 generated ahead, the refill rounds in the foreground)."""
     import os
-    import socket
     import subprocess
-    import sys
     from pathlib import Path
 
+    from ports import torchrun
+
     reward = _half_constant_reward(tmp_path, monkeypatch)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run_dir = tmp_path / "run"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-port", str(port), "-m", "megatron_rl.train", "--run-dir", str(run_dir),
+        *torchrun(2), "-m", "megatron_rl.train", "--run-dir", str(run_dir),
         "--device", "cpu", "--no-progress", "--train-iters", "3", "--torch-threads", "1",
         "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
         "--micro-batch-size", "4", "--max-response-length", "3", "--reward", reward,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 LR = 3e-3  # one Adam step moves a weight by about this much
@@ -41,10 +42,7 @@ def _train(tmp: Path, name: str, nproc: int, flags: tuple[str, ...]) -> dict:
     run_dir, save = tmp / name, tmp / f"{name}-ckpt"
     launcher = [sys.executable, "-m", "megatron_rl.train"]
     if nproc > 1:
-        launcher = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(_free_port()), "-m", "megatron_rl.train",
-        ]  # fmt: skip
+        launcher = [*torchrun(nproc), "-m", "megatron_rl.train"]
     command = [
         *launcher, "--run-dir", str(run_dir), "--device", "cpu", "--no-progress",
         "--train-iters", "2", "--torch-threads", "1", "--save", str(save),
@@ -75,14 +73,6 @@ def _checkpoint_tensors(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
 
     walk(torch.load(target, weights_only=False), "")
     return flat
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,13 @@ replayed routes' counts, padded tokens left out: megatron_rl/model/router_paddin
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ports import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 LR = 3e-3  # one Adam step moves a weight by about this much
@@ -55,10 +55,7 @@ def _train(tmp: Path, name: str, model: str, nproc: int, flags: tuple[str, ...])
     run_dir, save = tmp / name, tmp / f"{name}-ckpt"
     launcher = [sys.executable, "-m", "megatron_rl.train"]
     if nproc > 1:
-        launcher = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(_free_port()), "-m", "megatron_rl.train",
-        ]  # fmt: skip
+        launcher = [*torchrun(nproc), "-m", "megatron_rl.train"]
     command = [
         *launcher, "--model", model, "--run-dir", str(run_dir), "--device", "cpu",
         "--no-progress", "--train-iters", "2", "--torch-threads", "1", "--save", str(save),
@@ -90,12 +87,6 @@ def _checkpoint_tensors(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
 
     walk(torch.load(target, weights_only=False), "")
     return flat
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _assert_same_run(staged: dict, world1: dict) -> None:

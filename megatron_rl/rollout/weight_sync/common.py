@@ -18,7 +18,8 @@ class WeightSyncConfig:
     """How `sync_weights` pushes weights.
 
     ``engine_ranks``: ranks (TP size) of each server; one group rank each for ``distributed``,
-    one serialised handle each for ``tensor``. ``master_port = 0`` picks a free port.
+    one serialised handle each for ``tensor``. ``master_port``: where the trainer hosts each
+    group's store; 0 binds it on a port the OS picks, then tells the servers that port.
     ``bucket_bytes`` also bounds the staging buffer this side holds (a larger tensor gets a
     buffer of its own size).
     ``checksum``: per-tensor checksums read back over ``/weights_checksum``, which only the

@@ -20,6 +20,7 @@ from megatron_rl.rollout.flat_bucket import FLATTENED, flat_buckets
 from megatron_rl.rollout.weight_group import (
     destroy_weight_group,
     dtype_name,
+    host_store,
     init_weight_group,
     unique_group_name,
 )
@@ -29,7 +30,7 @@ from megatron_rl.rollout.weight_sync.common import (
     WeightSyncError,
     call_failure,
 )
-from megatron_rl.rollout.weight_sync.stages import RemoteStage, free_port
+from megatron_rl.rollout.weight_sync.stages import RemoteStage
 from megatron_rl.rollout.weight_sync.staging import Staging, current_cuda
 from megatron_rl.rollout.weight_sync.transport import SyncRound
 
@@ -255,8 +256,10 @@ class DistributedTransport:
         before the error propagates."""
         cfg, sync = self.config, self.sync
         urls = sync.urls
-        if group.sender is None:
-            address, port = cfg.master_address, cfg.master_port or free_port(cfg.master_address)
+        store = None
+        if group.sender is None:  # the store listens before its port goes out (no port race)
+            store = host_store(cfg.master_address, cfg.master_port, cfg.group_timeout_s)
+            address, port = cfg.master_address, store.port
         else:
             address, port = group.sender.endpoint()
         world = 1 + cfg.engine_ranks * len(urls)
@@ -289,6 +292,7 @@ class DistributedTransport:
                     world_size=world,
                     group_name=name,
                     timeout_s=cfg.group_timeout_s,
+                    store=store,
                 )
             else:
                 group.sender.join(name, address, port, world)

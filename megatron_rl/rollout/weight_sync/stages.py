@@ -17,10 +17,11 @@ condition, or the model-update lock, around each), so concurrent stages would on
 
 Messages, rank 0 -> sender (its answer):
 ``("next",)`` (the next bucket's header, or None at the stage's end), ``("endpoint",)``
-(``(address, port)`` the sender will host the group's store at), ``("join", name, address,
-port, world)`` (None, or why joining failed), ``("broadcast",)`` (None, or why the broadcast
-broke), ``("destroy",)`` (None), ``("end",)`` (no answer: the sync is over; the sender iterates
-the rest of its stream, whose TP/EP gathers are collectives of its stage).
+(``(address, port)`` of the store the sender now hosts for the next group, bound on a port the
+OS picked: `weight_group.host_store`), ``("join", name, address, port, world)`` (None, or why
+joining failed), ``("broadcast",)`` (None, or why the broadcast broke), ``("destroy",)``
+(None), ``("end",)`` (no answer: the sync is over; the sender iterates the rest of its stream,
+whose TP/EP gathers are collectives of its stage).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from megatron_rl.rollout.weight_group import (
     broadcast_tensor,
     destroy_weight_group,
     dtype_name,
+    host_store,
     init_weight_group,
 )
 from megatron_rl.rollout.weight_sync.common import WeightSyncConfig, WeightSyncError, sent_stream
@@ -104,12 +106,6 @@ def host_address(master_address: str) -> str:
         return probe.getsockname()[0]
 
 
-def free_port(address: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
-
-
 class StageSender:
     """Stage ``stage``'s first rank: answers global rank 0's messages for one sync at a time
     (`serve`) and keeps its half of the stage's weight group between syncs."""
@@ -121,6 +117,7 @@ class StageSender:
         self.leader = link.ranks[0]
         self.staging = Staging(config, num_buffers=1)
         self.group: dist.ProcessGroup | None = None
+        self._store: dist.TCPStore | None = None  # the next group's, from "endpoint" to "join"
 
     def serve(self, stream, version: int) -> None:
         """Send this stage's (name, tensor) ``stream`` as rank 0 asks, until it says ``end``."""
@@ -137,7 +134,8 @@ class StageSender:
                     flat, answer = self._next(buckets, device, version)
                 elif op == "endpoint":
                     address = host_address(cfg.master_address)
-                    answer = (address, free_port(address))
+                    self._store = host_store(address, 0, cfg.group_timeout_s)
+                    answer = (address, self._store.port)
                 elif op == "join":
                     answer = self._join(*args)
                 elif op == "broadcast":
@@ -174,6 +172,7 @@ class StageSender:
     def _join(self, name: str, address: str, port: int, world: int) -> str | None:
         destroy_weight_group(self.group)
         self.group = None
+        store, self._store = self._store, None  # the endpoint's (None: one bound on ``port``)
 
         def join():
             self.group = init_weight_group(
@@ -184,13 +183,14 @@ class StageSender:
                 world_size=world,
                 group_name=name,
                 timeout_s=self.config.group_timeout_s,
+                store=store,
             )
 
         return _failure(join)
 
     def close(self) -> None:
         destroy_weight_group(self.group)
-        self.group = None
+        self.group, self._store = None, None
         self.staging.clear()
 
 
