@@ -44,6 +44,7 @@ SGLANG_CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--disable-cuda-graph", "--disable-overlap-schedule", "--skip-server-warmup",
     "--grammar-backend", "none", "--max-total-tokens", "8192",
+    "--sleep-on-idle",  # an idle scheduler otherwise spins one core (the trainer's)
 )  # fmt: skip
 
 
@@ -166,6 +167,26 @@ def compare_arm(samples, codec, scorer: TrainerScorer) -> dict:
     return summarize(torch.cat(agree), torch.cat(pi), torch.cat(mu), torch.cat(pos))
 
 
+def _port_below_ephemeral(low: int = 20000) -> int:
+    """A port between ``low`` and the start of the kernel's ephemeral range, free now."""
+    import contextlib
+    import random
+
+    high = 32768
+    with contextlib.suppress(OSError, ValueError):
+        high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(low, max(high, low + 1))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
 def start_sglang(model_dir: str, log_path: str):
     """The real SGLang server (``.venv-sglang``, bf16, CPU) on ``model_dir``; ``(process, url)``
     once ``/health`` answers."""
@@ -176,17 +197,23 @@ def start_sglang(model_dir: str, log_path: str):
         wait_healthy,
     )
 
-    with socket.socket() as sock:  # a port that was free a moment ago
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = SGLangServerConfig(
-        model_path=model_dir, port=port, dtype="bfloat16", mem_fraction_static=0.05,
-        return_routed_experts=True, extra_args=SGLANG_CPU_FLAGS,
-    )  # fmt: skip
     env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(SGLANG_SHIMS), "HF_HUB_OFFLINE": "1"}
     python = str(ROOT / ".venv-sglang" / "bin" / "python")
-    process = start_process(server_command(config, python), log_path=log_path, env=env)
-    wait_healthy(config.url, timeout_s=600, process=process)
+    # SGLang binds its port itself and cannot take port 0: a port drawn below the kernel's
+    # ephemeral range (where no bind(0) or outgoing connection lands), and a new draw if the
+    # server exits at start (another process took the port first), 3 starts at most
+    for attempt in range(3):
+        config = SGLangServerConfig(
+            model_path=model_dir, port=_port_below_ephemeral(), dtype="bfloat16",
+            mem_fraction_static=0.05, return_routed_experts=True, extra_args=SGLANG_CPU_FLAGS,
+        )  # fmt: skip
+        process = start_process(server_command(config, python), log_path=log_path, env=env)
+        try:
+            wait_healthy(config.url, timeout_s=600, process=process)
+            break
+        except RuntimeError:
+            if process.poll() is None or attempt == 2:
+                raise
     return process, config.url
 
 
