@@ -415,6 +415,7 @@ def test_r3_through_the_real_router_reaches_the_worker(server, hf_config, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.hardware_sensitive
 def test_the_trainer_learns_against_the_real_server_with_r3(server, tmp_path):
     """The real CLI (``python -m megatron_rl.train``) with ``--rollout-engine sglang``, R3 and the
     ``distributed`` transport over gloo: the engine's routes replayed in megatron, every step's
