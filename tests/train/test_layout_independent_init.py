@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_tensors import checkpoint_tensors
 from ports import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,26 +54,7 @@ def _train(tmp: Path, name: str, nproc: int, flags: tuple[str, ...]) -> dict:
         code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=out).returncode
     assert code == 0, log.read_text()[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
-    return {"rows": rows, "tensors": _checkpoint_tensors(save / "step_00000002", tmp / name)}
-
-
-def _checkpoint_tensors(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint, whole, under its global key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = scratch / "whole.pt"
-    dcp_to_torch_save(folder, target)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(tree: dict, prefix: str) -> None:
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            elif torch.is_tensor(value):
-                flat[prefix + key] = value
-
-    walk(torch.load(target, weights_only=False), "")
-    return flat
+    return {"rows": rows, "tensors": checkpoint_tensors(save / "step_00000002", tmp / name)}
 
 
 @pytest.fixture(scope="module")

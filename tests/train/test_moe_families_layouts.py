@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from checkpoint_tensors import checkpoint_tensors
 from ports import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,26 +67,7 @@ def _train(tmp: Path, name: str, model: str, nproc: int, flags: tuple[str, ...])
     assert code == 0, log.read_text()[-6000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     rows = [r for r in rows if "grad_norm" in r]
-    return {"rows": rows, "tensors": _checkpoint_tensors(save / "step_00000002", tmp / name)}
-
-
-def _checkpoint_tensors(folder: Path, scratch: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint, whole, under its global key."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    target = scratch / "whole.pt"
-    dcp_to_torch_save(folder, target)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(tree: dict, prefix: str) -> None:
-        for key, value in tree.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            elif torch.is_tensor(value):
-                flat[prefix + key] = value
-
-    walk(torch.load(target, weights_only=False), "")
-    return flat
+    return {"rows": rows, "tensors": checkpoint_tensors(save / "step_00000002", tmp / name)}
 
 
 def _assert_same_run(staged: dict, world1: dict) -> None:
