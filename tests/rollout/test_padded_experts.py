@@ -56,7 +56,12 @@ def threads(request):
 @pytest.mark.parametrize(
     "num_tokens", [1, 3, 64, pytest.param(300, marks=pytest.mark.slow)]
 )  # 300 tokens: the full suite (over 2.5 s in the fast lane)
-def test_padded_bmm_equals_grouped_mm_bitwise_in_bf16(preset, num_tokens, threads):
+def test_padded_bmm_equals_grouped_mm_in_bf16_to_one_rounding(preset, num_tokens, threads):
+    """Equal but for bf16 roundings: the two products are other kernels, and on an Intel Xeon
+    (AVX-512 + AMX) the same inputs were, from one run of the module to the next, now and then
+    rounded otherwise (3 of 540 comparisons at 2 threads, and at 1 thread; then ~11% of the
+    elements one bf16 step apart, all within 0.24 x 2^-8 of the output's largest element).
+    Bound: 2^-8 of the largest element (a wrong expert or weight moves whole rows by far more)."""
     experts = _experts(preset, torch.bfloat16)
     top_k = preset_config(preset).num_experts_per_tok
     for seed in range(3):
@@ -65,7 +70,9 @@ def test_padded_bmm_equals_grouped_mm_bitwise_in_bf16(preset, num_tokens, thread
         assert counts[0] == 0 and (num_tokens == 1 or counts[1] == 1)
         hidden_TH = torch.randn(num_tokens, experts.hidden_dim).bfloat16()
         want, got = _both(experts, hidden_TH, index_TK, weights_TK.bfloat16())
-        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        diff = (got.float() - want.float()).abs()
+        assert float(diff.max()) <= 2**-8 * float(want.float().abs().max()), float(diff.max())
 
 
 @pytest.mark.slow
