@@ -82,6 +82,19 @@ SERVER_FLAGS = (
 )  # fmt: skip
 
 
+KERNEL_PATH_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+"""The variables that force torch's and MKL's kernels onto another path (`make test-kernel-paths`,
+docs/testing.md). The SGLang server does not inherit them: on an AVX-512 machine torch's bf16
+attention (SGLang's torch_native backend) packs its operands with an AVX-512-only routine and
+stops the scheduler under ``ATEN_CPU_CAPABILITY=avx2`` ("pack_vnni2 is only supported when
+avx512 is supported"). The lane checks the trainer's verdicts; the server keeps the machine's
+kernels."""
+
+
+def _server_environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in KERNEL_PATH_ENV}
+
+
 def available() -> bool:
     """Whether ``make sglang-env`` has completed (its stamp file exists)."""
     return (SGLANG_VENV / ".installed").is_file() and SGLANG_PYTHON.exists()
@@ -217,7 +230,7 @@ class _Process:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONPATH": str(SHIMS_DIR), **self._env},
+                env={**_server_environ(), "PYTHONPATH": str(SHIMS_DIR), **self._env},
                 cwd=REPO_ROOT,
                 start_new_session=True,
                 # a test run killed with SIGKILL (no atexit) takes its servers with it; their own
