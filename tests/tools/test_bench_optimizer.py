@@ -24,4 +24,4 @@ def test_bench_optimizer_pairs_every_arm_with_the_old_step():
         median, low, high = map(float, match.groups())
         assert 0 < low <= median <= high
     difference = re.search(r"max \|diff\| / max \|param\| = (\S+)", result.stdout)
-    assert difference and 0 < float(difference.group(1)) < 1e-6, result.stdout
+    assert difference and float(difference.group(1)) < 1e-6, result.stdout  # 0 on AVX2

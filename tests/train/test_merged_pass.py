@@ -132,15 +132,15 @@ def threads(request):
 
 
 def _assert_same_logprobs(got, want, mbs, *, bitwise: bool):
-    """Equal on every real token's position to 1e-6, and bitwise when asked: one torch thread
-    gives the same bits here; with more, a kernel may split a reduction by batch shape."""
+    """Equal on every real token's position to 1e-6. ``bitwise`` is where the two forwards
+    were bitwise equal on the machines measured (one torch thread, equal widths); it is not
+    asserted: with torch's AVX2 kernels MKL picks its GEMM kernel by the row count, so a merged
+    forward (more rows) rounds otherwise (docs/testing.md)."""
     for k, mb in enumerate(mbs):
         real = torch.zeros_like(mb.loss_mask_BT)
         for row, n in enumerate(mb.lengths):
             real[row, : n - 1] = True
         torch.testing.assert_close(got[k][real], want[k][real], rtol=0, atol=1e-6)
-        if bitwise:
-            assert torch.equal(got[k][real], want[k][real]), k
 
 
 @pytest.mark.slow
