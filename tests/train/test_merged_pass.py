@@ -1,10 +1,11 @@
 """Forward-only passes over merged micro-batches equal one forward per micro-batch.
 
 The grouping is checked against brute force; on the tiny megatron model (world size 1, gloo)
-the merged pass must give every micro-batch the log-probs of its own forward (to 1e-6; bitwise
-on this CPU) with routing replay off, R2 (each micro-batch's recording bitwise the one of its own
-forward, so the updates replay the same routes) and R3 (the engine's routes replayed, the same
-agreement counted), and the KL reference's pass likewise.
+the merged pass must give every micro-batch the log-probs of its own forward (to 1e-6: bitwise
+with AVX-512 kernels, not with AVX2 ones, where MKL picks its kernel by the row count) with
+routing replay off, R2 (each micro-batch's recording bitwise the one of its own forward, so the
+updates replay the same routes) and R3 (the engine's routes replayed, the same agreement
+counted), and the KL reference's pass likewise.
 """
 
 from __future__ import annotations
