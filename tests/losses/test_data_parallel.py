@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import forkserver_context
 
 from megatron_rl.losses import compute_policy_loss
 
@@ -78,7 +78,7 @@ def test_two_rank_data_parallel_matches_full_batch_gradient(tmp_path):
         ("gspo", "seq-mean-token-sum"),
         ("topr", "seq-mean-token-sum-norm"),
     ]
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()  # ranks forked from a pre-imported server (tests/forked_ranks.py)
     queue = ctx.Queue()
     init_method = f"file://{tmp_path}/rdzv"  # a file rendezvous: no port to pick
     procs = [ctx.Process(target=_worker, args=(rank, init_method, cases, queue)) for rank in (0, 1)]

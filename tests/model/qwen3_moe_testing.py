@@ -1,6 +1,7 @@
 """Shared helpers for the model tests: a tiny random HF Qwen3-MoE reference and rank workers.
 
-Workers are top-level functions so ``torch.multiprocessing.spawn`` can pickle them; each rank
+Workers are top-level functions so the rank processes can unpickle them (`spawn_ranks` forks
+them from a pre-imported server: tests/forked_ranks.py); each rank
 initialises gloo through a ``file://`` rendezvous inside the test's tmp_path (no port collisions
 under pytest-xdist) and always tears its process groups down.
 """
@@ -11,6 +12,7 @@ import os
 from collections.abc import Callable
 
 import torch
+from forked_ranks import start_ranks
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megatron_rl.model import preset_config
@@ -99,9 +101,7 @@ def hf_routes_for_rank(hf_routes: list[torch.Tensor], seq_rank: int, seq_size: i
 def spawn_ranks(worker: Callable, tmp_path, world_size: int, *args) -> None:
     """Run ``worker(rank, world_size, init_method, tmp_dir, *args)`` on ``world_size`` ranks."""
     init_method = f"file://{os.path.join(str(tmp_path), 'rendezvous')}"
-    torch.multiprocessing.spawn(
-        _run_rank, args=(worker, world_size, init_method, str(tmp_path), args), nprocs=world_size
-    )
+    start_ranks(_run_rank, (worker, world_size, init_method, str(tmp_path), args), world_size)
 
 
 def _run_rank(rank, worker, world_size, init_method, tmp_dir, args) -> None:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from forked_ranks import forkserver_context
 from trainer_testing import rendezvous, small_config
 
 from megatron_rl.data import BuiltinTaskConfig, builtin_task
@@ -209,8 +210,6 @@ def test_a_reward_failing_on_one_sample_in_eight_runs_on_with_the_metric(tmp_pat
 def test_two_ranks_stop_together_naming_the_error_only_rank_1_saw(tmp_path):
     """Rank 1's reward fails on all its samples (half the step's): both ranks count the same
     steps from the averaged metrics, stop at the same step, and name rank 1's error."""
-    import torch.multiprocessing as mp
-
     (tmp_path / "rank1_reward.py").write_text(
         "import torch.distributed as dist\n\n\n"
         "def reward(response, answer):\n"
@@ -218,7 +217,7 @@ def test_two_ranks_stop_together_naming_the_error_only_rank_1_saw(tmp_path):
         "        raise KeyError('only on rank 1')\n"
         "    return float(sum(map(ord, response)) % 2)\n"
     )
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()  # ranks forked from a pre-imported server (tests/forked_ranks.py)
     queue = ctx.Queue()
     procs = [ctx.Process(target=_stopping_rank, args=(r, str(tmp_path), queue)) for r in (0, 1)]
     for p in procs:

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from forked_ranks import forkserver_context
 from paper_losses import PAPER_LOSSES
 from trainer_testing import rendezvous, small_config
 
@@ -172,10 +173,8 @@ def test_a_reward_function_that_raises_fails_its_samples_not_the_run(tmp_path, m
 
 
 def run_two_ranks(tmp_path, overrides: dict) -> dict[int, dict]:
-    """Run `_two_rank_worker` on two spawned ranks; {rank: its last metrics}."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    """Run `_two_rank_worker` on two ranks; {rank: its last metrics}."""
+    ctx = forkserver_context()  # ranks forked from a pre-imported server (tests/forked_ranks.py)
     queue = ctx.Queue()
     procs = [
         ctx.Process(target=_two_rank_worker, args=(r, str(tmp_path), overrides, queue))

@@ -1,0 +1,51 @@
+"""Multi-rank tests' rank processes, forked from one pre-imported process per test worker.
+
+``torch.multiprocessing.spawn`` starts every rank as a new interpreter that imports torch,
+megatron-core and this package again: 3-4 CPU-seconds a rank before its first line of test code,
+about 190 ranks in the suite (measured on a 2-core Xeon: ~11 CPU-minutes of the suite's ~40).
+`start_ranks` starts them with multiprocessing's ``forkserver`` instead: the server is started
+once per pytest worker with those modules imported (`rank_preload`, megatron's fusions eager as
+in the CLI) and each rank is a fork of it. The server never runs a torch kernel, so a rank's
+OpenMP and thread pools start fresh as in a spawned one; what a rank imports, unpickles and runs
+is what it would under ``spawn`` (the same preparation: ``sys.path``, working directory).
+
+One difference a test could see is handled: a forked rank would inherit the server's environment
+(from the server's start), so each rank takes the environment of the test at the moment it is
+started, as a spawned one does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable
+
+import torch.multiprocessing
+
+PRELOAD = ["rank_preload"]
+
+
+def forkserver_context() -> multiprocessing.context.BaseContext:
+    """multiprocessing's ``forkserver`` context, its server preloading `rank_preload`."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts (first use)
+    return context
+
+
+def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with ranks forked from the preloaded
+    server: ``fn(rank, *args)`` on ``nprocs`` processes, joined; a rank's exception is raised."""
+    forkserver_context()
+    torch.multiprocessing.start_processes(
+        _with_environ,
+        args=(fn, dict(os.environ), args),
+        nprocs=nprocs,
+        join=True,
+        start_method="forkserver",
+    )
+
+
+def _with_environ(rank: int, fn: Callable, environ: dict, args: tuple) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    fn(rank, *args)
