@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -313,9 +314,16 @@ def _optional_float(text: str) -> float | None:
     return None if text.lower() == "none" else float(text)
 
 
+def _program() -> str:
+    """The usage line's program: as run (``megatron-rl train``, ``megatron-rl-train``), or
+    ``python -m megatron_rl.train`` where ``sys.argv[0]`` is the module's ``__main__.py``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("megatron-rl") else "python -m megatron_rl.train"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_rl.train",
+        prog=_program(),
         description="RL post-training of a MoE policy (Qwen3-MoE, DeepSeek-V3) on megatron-core.",
     )
     for name, defaults in _cli_defaults().items():

@@ -62,6 +62,10 @@ SERVER_ENV = {
     "SGLANG_HEALTH_CHECK_TIMEOUT": str(int(HEALTH_CHECK_TIMEOUT_S)),
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    # one torch thread, as the trainers under test (--torch-threads 1): SGLang sets no thread
+    # count on CPU, and torch's two OpenMP threads spin at every barrier while the other test
+    # worker holds a core (the trainer-learns test took 37 s to 219 s from run to run)
+    "OMP_NUM_THREADS": "1",
 }
 SERVER_FLAGS = (
     "--device", "cpu",
