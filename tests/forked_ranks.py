@@ -26,7 +26,9 @@ PRELOAD = ["rank_preload"]
 
 
 def forkserver_context() -> multiprocessing.context.BaseContext:
-    """multiprocessing's ``forkserver`` context, its server preloading `rank_preload`."""
+    """multiprocessing's ``forkserver`` context, its server preloading `rank_preload`. A process
+    started from it inherits the server's environment, not the test's: `start_ranks` carries the
+    test's over, for tests that set variables."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)  # read when the server starts (first use)
     return context
