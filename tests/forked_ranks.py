@@ -18,20 +18,44 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable
 
 import torch.multiprocessing
 
 PRELOAD = ["rank_preload"]
+TESTS = os.path.dirname(os.path.abspath(__file__))
+PRELOAD_PATH = [TESTS, os.path.join(TESTS, "model")]  # rank_preload and the helpers it imports
 
 
 def forkserver_context() -> multiprocessing.context.BaseContext:
-    """multiprocessing's ``forkserver`` context, its server preloading `rank_preload`. A process
-    started from it inherits the server's environment, not the test's: `start_ranks` carries the
-    test's over, for tests that set variables."""
+    """multiprocessing's ``forkserver`` context, its server running and preloaded with
+    `rank_preload`. A process started from it inherits the server's environment, not the test's:
+    `start_ranks` carries the test's over, for tests that set variables."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)  # read when the server starts (first use)
+    context.set_forkserver_preload(PRELOAD)
+    _start_preloaded_server()
     return context
+
+
+def _start_preloaded_server() -> None:
+    """Start this process's forkserver (once) where it can import `rank_preload`.
+
+    Python 3.11's forkserver ignores the ``sys_path`` it is handed and imports its preload list
+    with the interpreter's default path, swallowing the ``ImportError``: from tests/ the preload
+    was never found and every rank imported transformers, the test helpers and their imports
+    itself. The server is started with tests/ and tests/model on ``PYTHONPATH``, and refuses to
+    run without its preload (a rank's ``sys.path`` and working directory are the test's, set by
+    multiprocessing when it starts the rank)."""
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*PRELOAD_PATH, *filter(None, [previous])])
+    try:
+        multiprocessing.forkserver.ensure_running()  # a no-op while it runs
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
 
 
 def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
@@ -48,6 +72,8 @@ def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
 
 
 def _with_environ(rank: int, fn: Callable, environ: dict, args: tuple) -> None:
+    if "rank_preload" not in sys.modules:
+        raise RuntimeError("this rank's forkserver did not import rank_preload (see forked_ranks)")
     os.environ.clear()
     os.environ.update(environ)
     fn(rank, *args)

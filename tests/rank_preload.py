@@ -1,16 +1,35 @@
-"""Imported by the forkserver of `forked_ranks` before it forks any rank: what every rank of a
-multi-rank test imports anyway, with megatron's fusions eager and its tensorboard import deferred
-as in the CLI and the test processes (tests/conftest.py)."""
+"""Imported by the forkserver of `forked_ranks` before it forks any rank: what the ranks of the
+multi-rank tests import anyway, so that a forked rank imports next to nothing of its own.
+
+A rank unpickles its test's worker function, which imports the test's module and that module's
+helpers (`qwen3_moe_testing` and `glm4_moe_testing` with transformers' model classes, pytest,
+the in-process engine, megatron's checkpointing): ~2-3 CPU-s a rank when only torch,
+megatron-core and the trainer were preloaded. megatron's fusions stay eager and its tensorboard
+import deferred as in the CLI and the test processes (tests/conftest.py).
+"""
+
+import importlib
 
 from megatron_rl.quiet_imports import defer_megatron_tensorboard, eager_megatron_fusions
 
+MODULES = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "megatron.core",
+    "megatron.core.parallel_state",
+    "megatron.core.dist_checkpointing",
+    "pytest",
+    "megatron_rl.backend",
+    "megatron_rl.model",
+    "megatron_rl.rollout.inprocess",
+    "megatron_rl.train.trainer",
+    # the test helpers (tests/model is on the server's path) and the model classes they build
+    "qwen3_moe_testing",
+    "glm4_moe_testing",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+)
+
 eager_megatron_fusions()
 defer_megatron_tensorboard()
-
-import megatron.core  # noqa: E402
-import megatron.core.parallel_state  # noqa: E402, F401
-import torch  # noqa: E402, F401
-
-import megatron_rl.backend  # noqa: E402
-import megatron_rl.model  # noqa: E402
-import megatron_rl.train.trainer  # noqa: E402, F401
+for name in MODULES:
+    importlib.import_module(name)

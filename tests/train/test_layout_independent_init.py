@@ -64,6 +64,7 @@ def world1(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.xdist_group("layout_independent_init")  # one worker: the world-1 run is made once
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_trains_the_world1_model_from_the_same_seed(world1, tmp_path, layout):
     nproc, flags = LAYOUTS[layout]
