@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable
+from unittest import mock
 
 import torch.multiprocessing
 
@@ -47,15 +48,9 @@ def _start_preloaded_server() -> None:
     itself. The server is started with tests/ and tests/model on ``PYTHONPATH``, and refuses to
     run without its preload (a rank's ``sys.path`` and working directory are the test's, set by
     multiprocessing when it starts the rank)."""
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([*PRELOAD_PATH, *filter(None, [previous])])
-    try:
+    path = os.pathsep.join([*PRELOAD_PATH, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with mock.patch.dict(os.environ, PYTHONPATH=path):  # the server's only; restored after
         multiprocessing.forkserver.ensure_running()  # a no-op while it runs
-    finally:
-        if previous is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = previous
 
 
 def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
@@ -72,8 +67,8 @@ def start_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
 
 
 def _with_environ(rank: int, fn: Callable, environ: dict, args: tuple) -> None:
-    if "rank_preload" not in sys.modules:
-        raise RuntimeError("this rank's forkserver did not import rank_preload (see forked_ranks)")
+    if not all(name in sys.modules for name in PRELOAD):
+        raise RuntimeError(f"this rank's forkserver did not import {PRELOAD} (see forked_ranks)")
     os.environ.clear()
     os.environ.update(environ)
     fn(rank, *args)

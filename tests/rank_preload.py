@@ -3,9 +3,9 @@ multi-rank tests import anyway, so that a forked rank imports next to nothing of
 
 A rank unpickles its test's worker function, which imports the test's module and that module's
 helpers (`qwen3_moe_testing` and `glm4_moe_testing` with transformers' model classes, pytest,
-the in-process engine, megatron's checkpointing): ~2-3 CPU-s a rank when only torch,
-megatron-core and the trainer were preloaded. megatron's fusions stay eager and its tensorboard
-import deferred as in the CLI and the test processes (tests/conftest.py).
+the in-process engine, megatron's checkpointing): ~2-3 CPU-s of imports a rank without them.
+megatron's fusions stay eager and its tensorboard import deferred as in the CLI and the test
+processes (tests/conftest.py).
 """
 
 import importlib
