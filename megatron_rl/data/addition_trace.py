@@ -146,14 +146,22 @@ def addition_trace_task(
     return AdditionTraceTokenizer(), _records(pairs)
 
 
-def addition_trace_heldout(config: AdditionTraceConfig) -> list[PromptRecord]:
-    """The held-out set ``HELDOUT_NAME``: ``HELDOUT_PER_DIGITS`` held-out pairs per digit count
-    of ``config`` (ascending), drawn with ``HELDOUT_SEED`` whatever ``config.seed`` is."""
+def addition_trace_heldout(
+    config: AdditionTraceConfig, per_digits: int = HELDOUT_PER_DIGITS
+) -> list[PromptRecord]:
+    """The held-out set ``HELDOUT_NAME``: ``per_digits`` held-out pairs per digit count of
+    ``config`` (ascending), drawn with ``HELDOUT_SEED`` whatever ``config.seed`` is.
+
+    The draw per digit count is sequential, so a larger ``per_digits`` extends every digit
+    count's list: the default 24 prompts are the first 4 of each count of any larger set.
+    """
+    if isinstance(per_digits, bool) or not isinstance(per_digits, int) or per_digits < 1:
+        raise ValueError(f"per_digits={per_digits!r}: pass an int >= 1 (prompts per digit count)")
     pairs = []
     for digits in config.digit_counts:
         rng = np.random.default_rng([HELDOUT_SEED, digits])
         only = AdditionTraceConfig(min_digits=digits, max_digits=digits)
-        pairs += _draw(rng, HELDOUT_PER_DIGITS, only, keep=is_heldout_pair)
+        pairs += _draw(rng, per_digits, only, keep=is_heldout_pair)
     return _records(pairs)
 
 

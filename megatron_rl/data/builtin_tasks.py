@@ -54,6 +54,8 @@ class BuiltinTaskSpec:
             correct (``<eos>`` included); 1 where the reward reads only the first symbol.
         rollout_function: the task's own ``module:function`` rollout
             (`megatron_rl.train.rollout_function`), or None for ``--rollout-function``'s.
+        sized_heldout: ``(seed, K) -> held-out records`` of another size (``builtin:K``), or
+            None when the task's held-out set has one size.
     """
 
     build: Callable[[int], tuple[object, list[PromptRecord]]]
@@ -61,6 +63,15 @@ class BuiltinTaskSpec:
     reward: str
     min_response_tokens: int
     rollout_function: str | None = None
+    sized_heldout: Callable[[int, int], list[PromptRecord]] | None = None
+
+    def heldout_records(self, seed: int, size: int | None) -> list[PromptRecord]:
+        """The held-out records, of the default size (``size`` None) or ``builtin:size``."""
+        if size is None:
+            return self.heldout(seed)
+        if self.sized_heldout is None:
+            raise ValueError(f"builtin:{size}: this task's held-out set has one size; use builtin")
+        return self.sized_heldout(seed, size)
 
 
 _TASKS: dict[str, BuiltinTaskSpec] = {
@@ -75,6 +86,7 @@ _TASKS: dict[str, BuiltinTaskSpec] = {
         heldout=lambda seed: addition_trace_heldout(AdditionTraceConfig(seed=seed)),
         reward="addition-trace",
         min_response_tokens=AdditionTraceConfig().longest_response_tokens,
+        sized_heldout=lambda seed, k: addition_trace_heldout(AdditionTraceConfig(seed=seed), k),
     ),
     "calculator": BuiltinTaskSpec(
         build=lambda seed: calculator_task(CalculatorConfig(seed=seed)),

@@ -52,7 +52,13 @@ _NEEDED_NAMES = frozenset(
         "mismatch/train_rollout_logprob_abs_gap", "mismatch/train_rollout_k3",
     }
 )  # fmt: skip
-_NEEDED_PREFIXES = ("eval/mean@", "eval/pass@", "routing/agreement/behaviour/layer_")
+_NEEDED_PREFIXES = (
+    "eval/",  # sampled and teacher-forced (exact_p) held-out metrics, per set and averaged
+    "grad_norm/",  # the max and mean over a step's N updates
+    "ratio/",  # quantiles of pi / pi_old and pi / mu per token
+    "mismatch/train_rollout_logprob_abs_gap/pos_",
+    "routing/agreement/behaviour/layer_",
+)
 _NEEDED_SUFFIXES = ("clip_frac_high", "clip_frac_low")
 
 

@@ -19,7 +19,9 @@ from megatron_rl.flags import bad_value, derived, option
 BUILTIN_EVAL_SET = "builtin"
 """``--eval-prompt-data builtin``: the held-out prompts of the built-in ``--task``
 (`megatron_rl.data.builtin_tasks`: ``successor``'s `builtin_heldout`, ``addition-trace``'s fixed
-set ``addition-trace-heldout``)."""
+set ``addition-trace-heldout``). ``builtin:K`` sizes it where the task allows (``addition-trace``:
+K prompts per digit count, the default 4; the set named ``builtin-K`` unless NAME= is given)."""
+_BUILTIN_SIZED = re.compile(r"builtin:([1-9][0-9]*)")
 
 _NAME = re.compile(r"[A-Za-z0-9_.+-]+")  # a set name: one metric-key component, no '/' or '='
 
@@ -36,6 +38,20 @@ class EvalConfig:
         help="a held-out set: NAME=PATH or PATH (named after the file stem; JSONL/Parquet, read "
         "like --prompt-data) or builtin (the built-in task's held-out prompts); repeat for "
         "several sets; default with the built-in task: builtin",
+    )
+    eval_exact_p_data: tuple[str, ...] = option(
+        (),
+        help="a held-out set scored by teacher forcing, not sampling: eval/<set>/exact_p, the "
+        "mean probability that the policy writes each prompt's answer (the one correct "
+        "response) and <eos> (megatron_rl/train/exact_p.py); NAME=PATH, PATH or builtin[:K]; "
+        "repeat for several sets. For tasks with one correct response per prompt (--task "
+        "addition-trace). Given alone, no set is sampled unless --eval-prompt-data is given too",
+    )
+    eval_sampled_interval: int | None = option(
+        None,
+        help="sample the --eval-prompt-data sets only after every this many steps (a multiple "
+        "of --eval-interval; --eval-before-train samples at step 0 too); the teacher-forced "
+        "sets are scored at every evaluation; default: sample at every evaluation",
     )
     eval_before_train: bool = option(
         False, help="also evaluate the initial weights before the first step (fresh runs only)"
@@ -65,8 +81,9 @@ class EvalConfig:
     seed: int = derived(1234, source="parallel.seed")  # evaluation seeds derive from it
 
     def __post_init__(self) -> None:
-        if isinstance(self.eval_prompt_data, str):  # from_flags(eval_prompt_data="x.jsonl")
-            object.__setattr__(self, "eval_prompt_data", (self.eval_prompt_data,))
+        for name in ("eval_prompt_data", "eval_exact_p_data"):
+            if isinstance(getattr(self, name), str):  # from_flags(eval_prompt_data="x.jsonl")
+                object.__setattr__(self, name, (getattr(self, name),))
         if isinstance(self.eval_interval, bool) or not (
             isinstance(self.eval_interval, int) and self.eval_interval >= 0
         ):
@@ -87,6 +104,19 @@ class EvalConfig:
             return
         self._check_sampling()
         self._check_sets()
+        interval = self.eval_sampled_interval
+        if interval is not None and (
+            isinstance(interval, bool)
+            or not isinstance(interval, int)
+            or interval < 1
+            or (self.eval_interval and interval % self.eval_interval)
+        ):
+            raise bad_value(
+                self,
+                "eval_sampled_interval",
+                f"must be a positive multiple of --eval-interval ({self.eval_interval}): the "
+                "sampled sets are generated at some of the evaluations",
+            )
 
     def _check_sampling(self) -> None:
         n = self.n_samples_per_eval_prompt
@@ -121,33 +151,36 @@ class EvalConfig:
 
     def _check_sets(self) -> None:
         names: dict[str, str] = {}
-        for spec in self.eval_prompt_data:
+        for field_name, spec in [
+            *(("eval_prompt_data", s) for s in self.eval_prompt_data),
+            *(("eval_exact_p_data", s) for s in self.eval_exact_p_data),
+        ]:
             name, path = parse_eval_set(spec)
             if not _NAME.fullmatch(name):
                 raise bad_value(
                     self,
-                    "eval_prompt_data",
+                    field_name,
                     f"set name {name!r} (of {spec!r}): use letters, digits and _ . + - only (it "
                     "becomes part of the metric names eval/<name>/...); write NAME=PATH",
                 )
             if name in names:
                 raise bad_value(
                     self,
-                    "eval_prompt_data",
+                    field_name,
                     f"two sets are named {name!r} ({names[name]!r} and {spec!r}); name them "
                     "apart with NAME=PATH",
                 )
             names[name] = spec
             if not path:
-                raise bad_value(self, "eval_prompt_data", f"{spec!r} names no file: NAME=PATH")
-            if path == BUILTIN_EVAL_SET and not self.builtin_task:
+                raise bad_value(self, field_name, f"{spec!r} names no file: NAME=PATH")
+            if builtin_size(path) != -1 and not self.builtin_task:
                 raise bad_value(
                     self,
-                    "eval_prompt_data",
+                    field_name,
                     f"{spec!r}: the built-in held-out set needs the built-in task (its tokenizer "
                     "and answers); with --prompt-data give a held-out file of that data instead",
                 )
-        if not self.eval_prompt_data and not self.builtin_task:
+        if not self.eval_prompt_data and not self.eval_exact_p_data and not self.builtin_task:
             raise ValueError(
                 "--eval-interval / --eval-before-train with --prompt-data need held-out prompts: "
                 "pass --eval-prompt-data NAME=PATH (a JSONL/Parquet file laid out like "
@@ -165,8 +198,15 @@ class EvalConfig:
         """``((name, path or "builtin"), ...)`` in the order given; the built-in task's held-out
         set when none is given."""
         if not self.eval_prompt_data:
-            return ((BUILTIN_EVAL_SET, BUILTIN_EVAL_SET),) if self.builtin_task else ()
+            if self.eval_exact_p_data or not self.builtin_task:
+                return ()
+            return ((BUILTIN_EVAL_SET, BUILTIN_EVAL_SET),)
         return tuple(parse_eval_set(spec) for spec in self.eval_prompt_data)
+
+    @property
+    def exact_sets(self) -> tuple[tuple[str, str], ...]:
+        """``((name, path or "builtin[:K]"), ...)`` of ``--eval-exact-p-data``."""
+        return tuple(parse_eval_set(spec) for spec in self.eval_exact_p_data)
 
     @property
     def temperature(self) -> float:
@@ -197,10 +237,17 @@ class EvalConfig:
         """Whether the run evaluates after step ``step`` (a multiple of the interval)."""
         return self.eval_interval > 0 and step > 0 and step % self.eval_interval == 0
 
+    def samples_at(self, step: int) -> bool:
+        """Whether the evaluation at ``step`` generates the sampled sets (step 0 always)."""
+        interval = self.eval_sampled_interval
+        return step == 0 or interval is None or step % interval == 0
+
 
 # the options that only matter when the run evaluates
 _SETTINGS = (
     "eval_prompt_data",
+    "eval_exact_p_data",
+    "eval_sampled_interval",
     "n_samples_per_eval_prompt",
     "eval_temperature",
     "eval_top_p",
@@ -212,16 +259,28 @@ _SETTINGS = (
 
 
 def parse_eval_set(spec: str) -> tuple[str, str]:
-    """``(name, path)`` of one ``--eval-prompt-data`` value: ``NAME=PATH``, ``builtin``, or a
-    path named after its file stem (``data/aime24.jsonl`` -> ``aime24``)."""
+    """``(name, path)`` of one ``--eval-prompt-data`` value: ``NAME=PATH``, ``builtin``,
+    ``builtin:K`` (named ``builtin-K``), or a path named after its file stem
+    (``data/aime24.jsonl`` -> ``aime24``)."""
     name, sep, path = spec.partition("=")
     if sep and name and os.sep not in name and "/" not in name:
         return name, path
     if spec == BUILTIN_EVAL_SET:
         return BUILTIN_EVAL_SET, BUILTIN_EVAL_SET
+    if sized := _BUILTIN_SIZED.fullmatch(spec):
+        return f"{BUILTIN_EVAL_SET}-{sized.group(1)}", spec
     stem = os.path.basename(os.path.normpath(spec))
     for suffix in (".jsonl", ".json", ".parquet", ".pq"):
         if stem.endswith(suffix):
             stem = stem[: -len(suffix)]
             break
     return stem, spec
+
+
+def builtin_size(path: str) -> int | None:
+    """What a set's path says of the built-in held-out set: -1 for a file, None for ``builtin``
+    (the task's default size), ``K`` for ``builtin:K``."""
+    if path == BUILTIN_EVAL_SET:
+        return None
+    sized = _BUILTIN_SIZED.fullmatch(path)
+    return int(sized.group(1)) if sized else -1

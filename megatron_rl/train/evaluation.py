@@ -18,7 +18,12 @@ Metrics (one row of metrics.jsonl; the step-0 evaluation is a row of its own at 
         whatever its size);
     eval/aborted: samples the engine aborted and generated again during evaluation (taken from
         the engine, so they never count in the training ``rollout/aborted``);
+    eval/<set>/exact_p, eval/<set>/exact_logp, eval/exact_p, eval/exact_logp: the teacher-forced
+        sets of ``--eval-exact-p-data`` (`megatron_rl.train.exact_p`), at every evaluation;
     time/eval: seconds the evaluation took (this rank's wall clock).
+
+With ``--eval-sampled-interval M`` the sampled sets are generated only at the evaluations of
+steps that are multiples of M (and step 0); the others carry the teacher-forced metrics alone.
 
 Determinism: every (step, set, data-parallel replica) samples with its own seed, a hash of the
 run's ``--seed``, the step, the set name and the replica (`eval_seed`). Seeded sampling draws
@@ -43,6 +48,7 @@ from megatron_rl.collectives import all_gather_objects
 from megatron_rl.rewards import compute_rewards
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.train.eval_config import EvalConfig
+from megatron_rl.train.exact_p import ReferenceScorer
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +127,11 @@ class Evaluator:
         engine,
         dp: int = 1,
         dp_rank: int = 0,
+        scorer: ReferenceScorer | None = None,
     ) -> None:
-        if not sets:
+        if not sets and scorer is None:
             raise ValueError("Evaluator: no held-out set (build the task with the eval config)")
+        self.scorer = scorer
         self.config = config
         self.sets = dict(sets)
         self.reward_fn = reward_fn
@@ -143,17 +151,27 @@ class Evaluator:
             engine=trainer.engine if generates else None,
             dp=trainer.ranks.dp,
             dp_rank=trainer.ranks.dp_rank,
+            scorer=ReferenceScorer.for_trainer(trainer, task),
         )
 
     @property
     def headline(self) -> tuple[str, ...]:
         """The averages over sets, for the progress line and the learning-curve picture."""
         n, k = self.config.n_samples_per_eval_prompt, self.config.pass_k
-        return (f"eval/mean@{n}", f"eval/pass@{k}")
+        sampled = (f"eval/mean@{n}", f"eval/pass@{k}") if self.sets else ()
+        return sampled + (("eval/exact_p",) if self.scorer is not None else ())
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The ``eval/*`` metrics and ``time/eval`` of the current weights (a collective)."""
         start = time.perf_counter()
+        metrics = self.scorer.score() if self.scorer is not None else {}
+        if self.sets and self.config.samples_at(step):
+            metrics.update(self._sampled(step))
+        metrics["time/eval"] = time.perf_counter() - start
+        return metrics
+
+    def _sampled(self, step: int) -> dict[str, float]:
+        """The sampled sets' metrics and ``eval/aborted`` (a collective)."""
         mine: dict[str, list[PromptScore]] = {}
         aborted = 0
         if self.engine is not None:
@@ -169,7 +187,6 @@ class Evaluator:
         config = self.config
         metrics = eval_metrics(per_set, config.n_samples_per_eval_prompt, config.pass_k)
         metrics["eval/aborted"] = float(sum(a for _, a in gathered))
-        metrics["time/eval"] = time.perf_counter() - start
         return metrics
 
     def _score(self, name: str, records, share: list[int], step: int) -> list[PromptScore]:

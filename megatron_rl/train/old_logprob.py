@@ -19,8 +19,10 @@ the ratio (the update's token count must be known before its forward), dropout o
 
 Metrics: the train/rollout mismatch ``mismatch/train_rollout_logprob_abs_gap`` =
 mean |log pi_train - log mu_rollout| and ``mismatch/train_rollout_k3`` = mean(exp(-d) - 1 + d),
-d = log pi_train - log mu_rollout clamped to [-20, 20]; the policy's ``entropy``; the per-token
-staleness (`train.token_versions`). Folded micro-batches join them when their update runs
+d = log pi_train - log mu_rollout clamped to [-20, 20], and the gap by response position
+(``mismatch/train_rollout_logprob_abs_gap/pos_<a>_<b>``, positions a..b of the response counted
+from 0, buckets `GAP_POSITION_BUCKETS`); the policy's ``entropy``; the per-token staleness
+(`train.token_versions`). Folded micro-batches join them when their update runs
 (`OldLogprobs.finish` writes them after the updates).
 """
 
@@ -35,6 +37,9 @@ from megatron_rl.train.logprobs import token_entropy, token_logprobs
 from megatron_rl.train.merged_pass import forward_only_pass, forward_token_budget
 from megatron_rl.train.rank_topology import RankTopology
 from megatron_rl.train.token_versions import fresh_token_mask, token_staleness_metrics
+
+# response-position buckets [start, end) of the train/rollout gap (the last one open-ended)
+GAP_POSITION_BUCKETS = ((0, 16), (16, 32), (32, 64), (64, 128), (128, None))
 
 # rollout corrections whose loss mask does not depend on the ratio (token weights only)
 _WEIGHTING_CORRECTIONS = ("none", "tis-token", "tis-seq")
@@ -74,12 +79,14 @@ class OldLogprobs:
         # by (mini-batch, micro-batch): log pi_train - log mu_rollout and the entropy, over
         # response tokens
         self.gaps: dict[tuple[int, int], torch.Tensor] = {}
+        self.positions: dict[tuple[int, int], torch.Tensor] = {}  # response position per token
         self.entropies: dict[tuple[int, int], torch.Tensor] = {}
 
     def record(self, key: tuple[int, int], mb: MicroBatch, entry: dict, logits) -> None:
         """Add micro-batch ``key`` to the mismatch and entropy metrics."""
         with torch.no_grad():
             self.gaps[key] = (entry["old"] - mb.rollout_logprobs_BT)[mb.loss_mask_BT]
+            self.positions[key] = (mb.loss_mask_BT.long().cumsum(dim=-1) - 1)[mb.loss_mask_BT]
             entropy = token_entropy(logits.detach(), self.config.rollout.temperature)
             self.entropies[key] = entropy[mb.loss_mask_BT]
 
@@ -108,6 +115,14 @@ class OldLogprobs:
         gap = torch.cat([self.gaps[key] for key in order]).clamp(-20, 20)
         metrics["mismatch/train_rollout_logprob_abs_gap"] = float(gap.abs().mean())
         metrics["mismatch/train_rollout_k3"] = float((torch.expm1(-gap) + gap).mean())
+        positions = torch.cat([self.positions[key] for key in order])
+        for start, end in GAP_POSITION_BUCKETS:
+            inside = positions >= start if end is None else (positions >= start) & (positions < end)
+            if inside.any():
+                name = f"pos_{start}_{'' if end is None else end - 1}".rstrip("_")
+                metrics[f"mismatch/train_rollout_logprob_abs_gap/{name}"] = float(
+                    gap[inside].abs().mean()
+                )
         metrics["entropy"] = float(torch.cat([self.entropies[key] for key in order]).mean())
 
 

@@ -27,7 +27,7 @@ from megatron_rl.data.dataset import PROMPT_TOO_LONG
 from megatron_rl.model import preset_config
 from megatron_rl.model.presets import PRESET_NAMES, load_hf_config
 from megatron_rl.rewards import get_reward_fn
-from megatron_rl.train.eval_config import BUILTIN_EVAL_SET, EvalConfig
+from megatron_rl.train.eval_config import EvalConfig, builtin_size
 from megatron_rl.train.task_config import TaskConfig
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class Task:
     seed: int
     # held-out sets by name (`add_eval_sets`; empty without evaluation) and their reward
     eval_sets: dict[str, list] = field(default_factory=dict)
+    # the teacher-forced sets (`--eval-exact-p-data`, megatron_rl/train/exact_p.py) by name
+    exact_sets: dict[str, list] = field(default_factory=dict)
     eval_reward_fn: Callable[[str, str], float] | None = None
     # the built-in task's own rollout function (`BuiltinTaskSpec.rollout_function`), or None
     rollout_function: str | None = None
@@ -110,8 +112,10 @@ def add_eval_sets(task: Task, config: TaskConfig, evaluation: EvalConfig) -> Tas
 
     A file set is read like ``--prompt-data`` (same tokenizer, ``--prompt-key`` /
     ``--answer-key``, chat template, ``--prompt-too-long``), its prompts limited to the model's
-    context minus ``--eval-max-response-length``; ``builtin`` is the built-in task's held-out
-    split of ``--task`` (`megatron_rl.data.builtin_tasks`). An error names the flag and set.
+    context minus ``--eval-max-response-length``; ``builtin`` (``builtin:K``: of another size) is
+    the built-in task's held-out split of ``--task`` (`megatron_rl.data.builtin_tasks`). The
+    sampled sets (``--eval-prompt-data``) go to ``eval_sets``, the teacher-forced ones
+    (``--eval-exact-p-data``) to ``exact_sets``. An error names the flag and set.
     """
     reward = reward_name(config.task, evaluation.reward)
     try:
@@ -125,21 +129,13 @@ def add_eval_sets(task: Task, config: TaskConfig, evaluation: EvalConfig) -> Tas
     if evaluation.eval_max_response_length is None:
         flag = "--max-response-length (evaluation)"
     limit, source = prompt_length_limit(eval_task, task.hf_config, flag)
-    sets: dict[str, list] = {}
-    for name, path in evaluation.sets:
-        where = f"--eval-prompt-data {name}={path}"
-        if path == BUILTIN_EVAL_SET:
-            _check_response_room(config.task, evaluation.max_response_length, flag)
-            records = builtin_task_spec(config.task).heldout(config.seed)
-            longest = max(len(r.prompt_ids) for r in records)
-            if longest > limit:
-                raise ValueError(
-                    f"{where}: the built-in held-out prompts have {longest} tokens > {limit} "
-                    f"({source}); lower --eval-max-response-length or raise --max-prompt-length"
-                )
-        else:
+
+    def load(flag_name: str, name: str, path: str) -> list:
+        where = f"{flag_name} {name}={path}"
+        size = builtin_size(path)
+        if size == -1:
             try:
-                records = load_prompt_dataset(
+                return load_prompt_dataset(
                     path,
                     task.tokenizer,
                     prompt_key=config.prompt_key,
@@ -150,8 +146,22 @@ def add_eval_sets(task: Task, config: TaskConfig, evaluation: EvalConfig) -> Tas
                 )
             except ValueError as err:
                 raise ValueError(f"{where}: {err}") from None
-        sets[name] = records
-    return replace(task, eval_sets=sets, eval_reward_fn=reward_fn)
+        _check_response_room(config.task, evaluation.max_response_length, flag)
+        try:
+            records = builtin_task_spec(config.task).heldout_records(config.seed, size)
+        except ValueError as err:
+            raise ValueError(f"{where} (--task {config.task}): {err}") from None
+        longest = max(len(r.prompt_ids) for r in records)
+        if longest > limit:
+            raise ValueError(
+                f"{where}: the built-in held-out prompts have {longest} tokens > {limit} "
+                f"({source}); lower --eval-max-response-length or raise --max-prompt-length"
+            )
+        return records
+
+    sets = {name: load("--eval-prompt-data", name, path) for name, path in evaluation.sets}
+    exact = {name: load("--eval-exact-p-data", name, path) for name, path in evaluation.exact_sets}
+    return replace(task, eval_sets=sets, exact_sets=exact, eval_reward_fn=reward_fn)
 
 
 def _check_response_room(task: str, max_response_length: int, flag: str) -> None:

@@ -54,6 +54,7 @@ from megatron_rl.train.old_logprob import OldLogprobs, fold_blocker, old_logprob
 from megatron_rl.train.pipeline import run_pass
 from megatron_rl.train.policy import build_policy, build_reference
 from megatron_rl.train.rank_topology import RankTopology
+from megatron_rl.train.ratio_quantiles import NUM_BINS, log_ratio_counts, quantile_metrics
 from megatron_rl.train.rollouts.dump import rollout_only_step
 from megatron_rl.train.rollouts.manager import RolloutManager
 from megatron_rl.train.sync_wait import SyncWait, remote_sync_timeout_s
@@ -252,6 +253,8 @@ class Trainer:
         )
         metrics["time/old_logprob"] = time.perf_counter() - t
         t = time.perf_counter()
+        ratios = {name: torch.zeros(NUM_BINS, dtype=torch.int64) for name in ("pi_old", "pi_mu")}
+        norms = []
         for j, minibatch in enumerate(batches):
             if self.nonfinite.exhausted:  # the run stops after this step; apply nothing more
                 _count(metrics, "update/skipped_stopping")
@@ -259,16 +262,28 @@ class Trainer:
             if should_stop is not None and should_stop():
                 _count(metrics, "update/skipped_preempted")
                 continue
-            self._update(j, minibatch, old, metrics)
+            norm = self._update(j, minibatch, old, metrics, ratios)
+            if norm is not None:
+                norms.append(norm)
         metrics["time/update"] = time.perf_counter() - t
+        if norms:  # every update's, not only the last one's (``grad_norm``)
+            metrics["grad_norm/max"] = max(norms)
+            metrics["grad_norm/mean"] = sum(norms) / len(norms)
+        if self.ranks.last_stage:  # the global step's ratio quantiles (train/ratio_quantiles.py)
+            for name, counts in ratios.items():
+                summed = sum_over_ranks(counts.tolist(), group=self.ranks.dp_group)
+                metrics.update(quantile_metrics(name, summed))
         old.finish(metrics)  # the mismatch and entropy, folded micro-batches included
         if self.ranks.pp > 1:  # the losses, log-probs and entropies came from the last stage
             last = parallel_state.get_pipeline_model_parallel_last_rank()
             metrics = broadcast_object(metrics, src=last, group=self.ranks.pp_group)
         return metrics
 
-    def _update(self, j: int, minibatch: list[MicroBatch], old: OldLogprobs, metrics) -> None:
-        """One optimizer step over the micro-batches of mini-batch ``j``."""
+    def _update(
+        self, j: int, minibatch: list[MicroBatch], old: OldLogprobs, metrics, ratios
+    ) -> float | None:
+        """One optimizer step over the micro-batches of mini-batch ``j``; its gradient norm
+        (None: skipped). ``ratios``: the step's log-ratio histograms, counted into."""
         behaviour = old.entries[j]
         # this mini-batch's response tokens and sequences, summed over data-parallel ranks (the
         # masks live on the last pipeline stage; the other stages learn the totals from it)
@@ -283,7 +298,7 @@ class Trainer:
             num_tokens, num_seqs = max_over_ranks([num_tokens, num_seqs], group=self.ranks.pp_group)
         if num_tokens == 0:
             _count(metrics, "update/skipped_empty")
-            return
+            return None
         self.optimizer.zero_grad()
         finite, loss_metrics = True, []
 
@@ -295,6 +310,9 @@ class Trainer:
                 finite = False  # keep running forwards: peers wait in collectives
                 return None
             entry = old.complete(j, i, mb, logits, logprobs)  # a folded entry gets its old ones
+            mask, detached = entry["mask"].bool(), logprobs.detach()
+            ratios["pi_old"] += log_ratio_counts((detached - entry["old"])[mask])
+            ratios["pi_mu"] += log_ratio_counts((detached - mb.rollout_logprobs_BT)[mask])
             out = objective(
                 self.objective,
                 logprobs_BT=logprobs,
@@ -320,9 +338,10 @@ class Trainer:
         if grad_norm is None:
             self.optimizer.zero_grad()
             _count(metrics, "update/skipped_nonfinite")
-            return
-        metrics["grad_norm"] = grad_norm
+            return None
+        metrics["grad_norm"] = grad_norm  # the step's last update's (grad_norm/max, /mean: all)
         _accumulate(metrics, loss_metrics, 1.0 / self.config.updates_per_rollout)
+        return float(grad_norm)
 
     # ------------------------------------------------------------------ helpers
     def sync_weights(self, version: int) -> None:
