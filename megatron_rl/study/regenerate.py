@@ -10,6 +10,9 @@ keep them from being silently mixed:
   lists each arm's revisions, and says when they differ. ``strict_revision`` refuses records
   from more than one revision (dirty counts as another one).
 
+A setting whose records folder has an ``analysis.json`` beside it (`declared`) gets its
+pre-declared comparisons as the summary's first section.
+
 The output is deterministic (no timestamps, arms and seeds sorted, fixed number formats), so
 `check` can regenerate and compare byte for byte with the committed files. The summary states the
 options it was made with (``Options: `...` ``), and `check` reuses them unless told otherwise.
@@ -26,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_rl.atomic_io import atomic_write_text
+from megatron_rl.study import declared
 from megatron_rl.study.curves_svg import study_svg
 from megatron_rl.study.records import Record, load_records
 from megatron_rl.study.run_metrics import run_scalars
@@ -156,6 +160,10 @@ def render(
         "",
         f"Options: `{shlex.join(options.argv(reference))}`",
     ]
+    declaration_path = Path(records_dir).parent / declared.DECLARATION
+    if declaration_path.exists():  # the pre-declared comparisons come first
+        declaration = declared.load_declaration(declaration_path)
+        header += ["", *declared.render(declaration, declared.analyse(declaration, arms))]
     text = summary(
         scalars,
         threshold=options.threshold,
