@@ -152,6 +152,12 @@ STUDY = dataclasses.replace(
         "grpo-r3rec": _flags(
             "--loss grpo --clip-low 0.2 --clip-high 0.28 --routing-replay r3 --routing-record-only"
         ),
+        # EPIC as its paper defines the prefix ratio: against the behaviour policy, i.e. the
+        # engine's log-probs mu (the arm above takes the trainer's recompute, so it never sees
+        # the train/inference mismatch)
+        "epic-mu": _flags(
+            "--loss epic --delta-low 5e-4 --delta-high 2e-3 --behavior-logprobs rollout"
+        ),
     },
     protocol=_flags(
         "--temperature 1.0 --top-p 1.0 --n-samples-per-prompt 8 "

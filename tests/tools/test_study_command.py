@@ -2,9 +2,9 @@
 reference GRPO, an EPIC variant, R2, R3 and R3 record-only), train for real (2 seeds, 2 steps, the
 router-noise mismatch at staleness 8) and the summary holds their held-out metrics. The few-step
 version of docs/study.md's command; what it proves is the pipeline (real trainer runs, resume,
-summary, curves), not the study's numbers. Every one of the 12 arms' command lines passes the
+summary, curves), not the study's numbers. Every one of the 13 arms' command lines passes the
 trainer's parser in `test_every_study_arm_command_line_passes_the_trainer_parser`: the other
-seven differ from these five in loss settings only (tests/losses)."""
+eight differ from these five in objective settings only (tests/losses)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_every_study_arm_command_line_passes_the_trainer_parser():
 
     args = compare_runs.parse_args(list(COMMAND[1:]))
     assert args.losses == list(ARMS) and set(ARMS) < set(STUDY.arms)
-    args.losses = None  # all 12 arms
+    args.losses = None  # all 13 arms
     arms, _ = compare_runs.build_grid(args)
     assert [arm.name for arm in arms] == [f"{arm}-N8" for arm in STUDY.arms]
     for arm in arms:

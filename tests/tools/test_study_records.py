@@ -220,8 +220,10 @@ def test_a_bad_record_is_refused_naming_the_file_and_the_field(tmp_path):
 
 
 def _committed_settings() -> list[Path]:
-    """Each study setting's record folder: docs/study/runs, and docs/study/<setting>/runs."""
-    folders = [COMMITTED_RECORDS, *sorted(COMMITTED_RECORDS.parent.glob("*/runs"))]
+    """Each study setting's record folder: docs/study/runs, docs/study/<setting>/runs and
+    docs/study/<setting>/<part>/runs (e.g. the pilot's parts)."""
+    study = COMMITTED_RECORDS.parent
+    folders = [COMMITTED_RECORDS, *sorted([*study.glob("*/runs"), *study.glob("*/*/runs")])]
     return [f for f in folders if f.is_dir() and any(f.glob("*.json"))]
 
 
