@@ -16,7 +16,7 @@ import math
 from xml.sax.saxutils import escape
 
 from megatron_rl.study import stats
-from megatron_rl.study.run_metrics import PANELS, curve
+from megatron_rl.study.run_metrics import OPTIONAL_PANELS, PANELS, curve
 from megatron_rl.svg_axes import padded_span, step_ticks
 
 BAND_MIN_SEEDS = 3
@@ -40,8 +40,14 @@ def _series(runs: list[list[dict]], key: str) -> Series:
 def study_svg(curves: dict[str, list[list[dict]]]) -> str:
     """The SVG text; ``curves`` maps an arm's name to its seeds' rows (`run_metrics` rows)."""
     names = list(curves)
+    panels = [
+        (key, title)
+        for key, title in PANELS
+        if key not in OPTIONAL_PANELS
+        or any(curve(rows, key) for runs in curves.values() for rows in runs)
+    ]
     legend_height = LEGEND_ROW * (1 + (len(names) - 1) // 3) if names else 0
-    rows_n = -(-len(PANELS) // COLUMNS)
+    rows_n = -(-len(panels) // COLUMNS)
     width = COLUMNS * PANEL_WIDTH
     height = legend_height + 8 + rows_n * PANEL_HEIGHT
     parts = [
@@ -54,7 +60,7 @@ def study_svg(curves: dict[str, list[list[dict]]]) -> str:
         color = PALETTE[index % len(PALETTE)]
         parts.append(f'<rect x="{x}" y="{y - 8}" width="14" height="4" fill="{color}"/>')
         parts.append(f'<text x="{x + 20}" y="{y - 2}">{escape(name)}</text>')
-    for index, (key, title) in enumerate(PANELS):
+    for index, (key, title) in enumerate(panels):
         left = (index % COLUMNS) * PANEL_WIDTH
         top = legend_height + 8 + (index // COLUMNS) * PANEL_HEIGHT
         series = {name: _series(runs, key) for name, runs in curves.items()}

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 
-from megatron_rl.study import stats
+from megatron_rl.study import paired, stats
 
 # (key, panel title); ``clip_frac`` and ``eval_mean`` are derived by `value`
 PANELS = (
+    ("eval/exact_p", "held-out exact_p (teacher-forced)"),
     ("eval_mean", "held-out mean@k"),
     ("accuracy", "accuracy"),
     ("reward/mean", "reward"),
@@ -24,6 +25,9 @@ PANELS = (
     ("grad_norm", "grad norm"),
     ("policy/clip_position_cv", "clip position CV"),
 )
+
+# panels drawn only when some run reports them (protocol 2's metrics; earlier records lack them)
+OPTIONAL_PANELS = frozenset({"eval/exact_p"})
 
 # (key, column title); the per-run scalar each row of summary.md aggregates over seeds
 RUN_METRICS = (
@@ -140,6 +144,7 @@ def run_scalars(rows: list[dict], marker: dict, threshold: float, window: int) -
         "final_eval": final_eval(rows, window),
         "final_pass": final_eval(rows, window, "pass"),
     }
+    out.update(protocol2_scalars(rows))
     layers = sorted(
         {k for row in rows for k in row if k.startswith("routing/agreement/behaviour/layer_")},
         key=lambda k: int(k.rsplit("_", 1)[1]),
@@ -147,3 +152,43 @@ def run_scalars(rows: list[dict], marker: dict, threshold: float, window: int) -
     for key in layers:
         out["layer_" + key.rsplit("_", 1)[1]] = mean_over_steps(rows, key)
     return out
+
+
+# (key, column title): protocol 2's per-run numbers, present only when the run reports
+# ``eval/exact_p`` (docs/study.md); ``exact_*`` over its evaluations, the rest over its steps
+PROTOCOL2_METRICS = (
+    ("exact_first", "exact_p at step 0"),
+    ("exact_auc", "exact_p AUC"),
+    ("exact_last", "exact_p last"),
+    ("exact_logp_auc", "exact_logp AUC"),
+    ("grad_max", "largest grad_norm/max"),
+    ("grad_mean", "mean grad_norm/mean"),
+    ("ratio_old_q999", "largest pi/pi_old q0.999"),
+    ("ratio_mu_q999", "largest pi/mu q0.999"),
+    ("ratio_mu_q001", "smallest pi/mu q0.001"),
+)
+
+
+def protocol2_scalars(rows: list[dict]) -> dict:
+    """`PROTOCOL2_METRICS` of one run; empty when it has no ``eval/exact_p``."""
+    exact = curve(rows, "eval/exact_p")
+    if not exact:
+        return {}
+
+    def extreme(key: str, pick) -> float:
+        values = list(curve(rows, key).values())
+        return pick(values) if values else math.nan
+
+    auc = paired.area_under_curve
+    logp = curve(rows, "eval/exact_logp")
+    return {
+        "exact_first": exact[min(exact)],
+        "exact_auc": auc(exact) if len(exact) > 1 else math.nan,
+        "exact_last": exact[max(exact)],
+        "exact_logp_auc": auc(logp) if len(logp) > 1 else math.nan,
+        "grad_max": extreme("grad_norm/max", max),
+        "grad_mean": mean_over_steps(rows, "grad_norm/mean"),
+        "ratio_old_q999": extreme("ratio/pi_old/q0.999", max),
+        "ratio_mu_q999": extreme("ratio/pi_mu/q0.999", max),
+        "ratio_mu_q001": extreme("ratio/pi_mu/q0.001", min),
+    }

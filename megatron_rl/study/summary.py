@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from megatron_rl.study import stats
-from megatron_rl.study.run_metrics import RUN_METRICS
+from megatron_rl.study.run_metrics import PROTOCOL2_METRICS, RUN_METRICS
 
 STANDARD_NOTES = (
     "routing agreement at the behaviour pass is reported by r3 and r3rec arms only; read it "
@@ -71,6 +71,7 @@ def summary(
         f"first step >= {threshold}: over the seeds that reach it (reached: k/K).",
         "",
         *_arm_table(arms, titles),
+        *_protocol2_table(arms),
         *_layer_table(arms),
         *_difference_table(arms, titles, reference),
     ]
@@ -97,6 +98,28 @@ def _arm_table(arms: dict[str, list[dict]], titles: dict[str, str]) -> list[str]
                 cell += f" (reached: {len(stats.finite(column))}/{len(runs)})"
             cells.append(cell)
         lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _protocol2_table(arms: dict[str, list[dict]]) -> list[str]:
+    """Protocol 2's teacher-forced score and per-update diagnostics (`PROTOCOL2_METRICS`);
+    empty when no run reports them."""
+    if not any("exact_auc" in run for runs in arms.values() for run in runs):
+        return []
+    lines = [
+        "",
+        "Teacher-forced held-out score (`eval/exact_p`, the exact probability of the one correct "
+        "response; AUC: normalised area under its curve over the run's evaluations) and the "
+        "diagnostics of every update (largest / smallest over the run's steps), mean ± "
+        "half-width over seeds:",
+        "",
+        "| arm | " + " | ".join(title for _, title in PROTOCOL2_METRICS) + " |",
+        "|---|" + "---|" * len(PROTOCOL2_METRICS),
+    ]
+    for name, runs in arms.items():
+        if runs and "exact_auc" in runs[0]:
+            cells = [fmt_ci([run.get(k, math.nan) for run in runs]) for k, _ in PROTOCOL2_METRICS]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -109,3 +109,22 @@ def test_the_regenerated_summary_opens_with_the_declared_comparisons(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| a | b | shift"))
     assert row.endswith("| **agrees** |") and "| 8 |" in row
     assert not math.isnan(float(row.split("|")[9]))  # the paired t p-value
+
+
+def test_protocol2_scalars_exist_only_for_runs_with_the_teacher_forced_metric():
+    from megatron_rl.study.run_metrics import protocol2_scalars
+
+    assert protocol2_scalars([{"step": 1, "accuracy": 0.5}]) == {}
+    rows = [
+        {"step": 0, METRIC.replace("heldout/", ""): 0.2, "eval/exact_logp": -2.0},
+        {"step": 1, "grad_norm/max": 3.0, "grad_norm/mean": 1.0, "ratio/pi_mu/q0.999": 1.5,
+         "ratio/pi_mu/q0.001": 0.7, "ratio/pi_old/q0.999": 1.1},
+        {"step": 2, "grad_norm/max": 5.0, "grad_norm/mean": 2.0, "ratio/pi_mu/q0.999": 1.2,
+         "ratio/pi_mu/q0.001": 0.9, "ratio/pi_old/q0.999": 1.3,
+         "eval/exact_p": 0.4, "eval/exact_logp": -1.0},
+    ]  # fmt: skip
+    out = protocol2_scalars(rows)
+    assert (out["exact_first"], out["exact_last"]) == (0.2, 0.4)
+    assert out["exact_auc"] == pytest.approx(0.3) and out["exact_logp_auc"] == pytest.approx(-1.5)
+    assert (out["grad_max"], out["grad_mean"]) == (5.0, 1.5)
+    assert (out["ratio_mu_q999"], out["ratio_mu_q001"], out["ratio_old_q999"]) == (1.5, 0.7, 1.3)
