@@ -6,6 +6,7 @@ setting's ``runs/`` folder, e.g. ``docs/study/<setting>/analysis.json``)::
     {
       "primary": {"metric": "eval/heldout/exact_p", "score": "auc"},
       "alpha": 0.05,
+      "seeds": 8,
       "comparisons": [
         {"a": "grpo-r3-N8", "b": "grpo-r3rec-N8", "expected": "a > b",
          "claim": "R3 keeps learning under the mismatch (EPIC Sec. 9.5)"}
@@ -20,7 +21,9 @@ setting's ``runs/`` folder, e.g. ``docs/study/<setting>/analysis.json``)::
   the paired t interval and p-value, the exact sign-flip p as a distribution-free check, and
   Holm's adjustment over the declared comparisons (of the paired t p-values).
 * verdict: Holm-adjusted p < ``alpha`` and the mean difference in the ``expected`` direction:
-  **agrees**; in the other direction: **disagrees**; otherwise **not distinguishable**.
+  **agrees**; in the other direction: **disagrees**; otherwise **not distinguishable**. Until
+  both arms of a comparison have the declared number of ``seeds`` (default 8), the verdict is
+  **pending (k of n seeds)**: the interim numbers are shown, never judged.
 
 Nothing else a summary prints is covered by this correction: it is exploratory.
 """
@@ -57,12 +60,15 @@ class Declaration:
     score: str
     alpha: float
     comparisons: tuple[Comparison, ...]
+    seeds: int = 8
 
     def __post_init__(self) -> None:
         if self.score not in _SCORES:
             raise ValueError(f"primary.score {self.score!r}: use one of {', '.join(_SCORES)}")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha {self.alpha!r}: must be in (0, 1)")
+        if isinstance(self.seeds, bool) or not isinstance(self.seeds, int) or self.seeds < 2:
+            raise ValueError(f"seeds {self.seeds!r}: the declared seeds per arm, an int >= 2")
         if not 1 <= len(self.comparisons) <= MAX_COMPARISONS:
             raise ValueError(
                 f"comparisons: {len(self.comparisons)} declared; declare 1 to "
@@ -90,6 +96,7 @@ def load_declaration(path: str | os.PathLike) -> Declaration:
             score=primary.get("score", "auc"),
             alpha=float(data.get("alpha", 0.05)),
             comparisons=comparisons,
+            seeds=data.get("seeds", 8),
         )
     except KeyError as missing:
         raise ValueError(f"{path}: the field {missing} is missing (see declared.py)") from None
@@ -146,7 +153,9 @@ def analyse(declaration: Declaration, arms: Mapping[str, Sequence[Record]]) -> l
     results = []
     for (c, seeds, test, flip), holm_p in zip(partial, adjusted, strict=True):
         verdict = "not distinguishable"
-        if holm_p < declaration.alpha:
+        if len(seeds) < declaration.seeds:
+            verdict = f"pending ({len(seeds)} of {declaration.seeds} seeds)"
+        elif holm_p < declaration.alpha:
             wanted = test.mean > 0 if c.expected == "a > b" else test.mean < 0
             verdict = "agrees" if wanted else "disagrees"
         results.append(

@@ -52,6 +52,10 @@ def test_a_consistent_paired_shift_agrees_and_the_opposite_claim_disagrees():
     down = declared.Comparison("a", "b", "a < b", "a learns less")
     results = declared.analyse(_declaration(up, down), arms)
     assert [r.verdict for r in results] == ["agrees", "disagrees"]
+    early = {arm: records[:3] for arm, records in arms.items()}  # 3 of the declared 8 seeds
+    assert [r.verdict for r in declared.analyse(_declaration(up, down), early)] == [
+        "pending (3 of 8 seeds)"
+    ] * 2
     first = results[0]
     assert first.seeds == tuple(range(1, 9))
     assert first.test.mean == pytest.approx(
