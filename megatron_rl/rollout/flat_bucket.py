@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -74,26 +75,64 @@ def layout(
     return slots
 
 
+# SGLang's DeepSeek loader fuses q_a_proj and kv_a_proj_with_mqa of a layer into
+# fused_qkv_a_proj_with_mqa only when both arrive in one load call (its cached_a_proj dict lives
+# for one call; a lone half is dropped without a warning), and every bucket is one call
+_FUSE_GROUP = re.compile(r"^(?P<key>.*\.self_attn\.)(?:q_a_proj|kv_a_proj_with_mqa)\.[^.]+$")
+
+
+def fuse_group(name: str) -> str | None:
+    """The fuse group of tensor ``name`` (its layer's ``...self_attn.`` prefix) when SGLang must
+    receive it in the same bucket as its partners (``q_a_proj.*`` with
+    ``kv_a_proj_with_mqa.*``, weights and FP8 scales), else None."""
+    found = _FUSE_GROUP.match(name)
+    return found.group("key") if found else None
+
+
+def _units(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list]:
+    """The stream as units that a bucket takes whole: a tensor alone, or a fuse group's members.
+
+    A group's members are held back until the stream leaves the group's prefix (the layer's
+    attention) or ends, then come as one unit, largest itemsize first, so that a unit starting
+    at an offset its first tensor's itemsize divides stays aligned inside (itemsizes are powers
+    of two). Other tensors pass in order; SGLang loads by name, so the order does not matter."""
+    held: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in named_tensors:
+        for key in [k for k in held if not name.startswith(k)]:
+            yield sorted(held.pop(key), key=lambda nt: -nt[1].element_size())
+        key = fuse_group(name)
+        if key is None:
+            yield [(name, tensor)]
+        else:
+            held.setdefault(key, []).append((name, tensor))
+    for members in held.values():
+        yield sorted(members, key=lambda nt: -nt[1].element_size())
+
+
 def flat_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     bucket_bytes: int,
     *,
     first_bucket_bytes: int | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor travels alone), also
-    cut where a tensor would start at a byte offset its itemsize does not divide.
+    """Consecutive buckets of at most ``bucket_bytes`` (a larger tensor or fuse group travels
+    alone), also cut where a tensor would start at a byte offset its itemsize does not divide.
+
+    A fuse group (`fuse_group`: MLA's ``q_a_proj.*`` and ``kv_a_proj_with_mqa.*`` of a layer) is
+    never cut apart: its members travel in one bucket, emitted together once the stream leaves
+    their layer's attention (`_units`).
 
     ``first_bucket_bytes``: a smaller limit for the first bucket, so that a pipelined sender
     has something on the wire sooner (the first pack cannot overlap anything)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     limit = first_bucket_bytes or bucket_bytes
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > limit or size % tensor.element_size()):
+    for unit in _units(named_tensors):
+        nbytes = sum(t.numel() * t.element_size() for _, t in unit)
+        if bucket and (size + nbytes > limit or size % unit[0][1].element_size()):
             yield bucket
             bucket, size, limit = [], 0, bucket_bytes
-        bucket.append((name, tensor))
+        bucket.extend(unit)
         size += nbytes
     if bucket:
         yield bucket

@@ -76,3 +76,53 @@ def test_nonfinite_name_reports_the_first_bad_tensor_in_stream_order_across_dtyp
     assert nonfinite_name(named[:3]) is None
     huge = torch.full((4,), 3e38)  # finite values whose squares overflow: still finite
     assert nonfinite_name([("huge", huge)]) is None
+
+
+def _mla_layer(i: int, fp8: bool) -> list[tuple[str, torch.Tensor]]:
+    """One DeepSeek-V3-style layer in the converter's order (q_a, q_a_ln, q_b, kv_a, ...)."""
+    p = f"model.layers.{i}.self_attn."
+    weight = torch.float8_e4m3fn if fp8 else torch.bfloat16
+
+    def w(name, n):
+        out = [(p + name + ".weight", torch.zeros(n, dtype=weight))]
+        return out + ([(p + name + ".weight_scale_inv", torch.zeros(3))] if fp8 else [])
+
+    return [
+        *w("q_a_proj", 24), (p + "q_a_layernorm.weight", torch.zeros(6, dtype=torch.bfloat16)),
+        *w("q_b_proj", 40), *w("kv_a_proj_with_mqa", 20),
+        (p + "kv_a_layernorm.weight", torch.zeros(5, dtype=torch.bfloat16)),
+        *w("kv_b_proj", 30), *w("o_proj", 36),
+        (f"model.layers.{i}.mlp.gate.weight", torch.zeros(8, dtype=torch.bfloat16)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_layers_q_a_and_kv_a_always_travel_in_one_bucket_whatever_the_cuts(fp8):
+    """SGLang fuses q_a_proj and kv_a_proj_with_mqa only within one load call (one bucket); a
+    lone half is dropped silently. Every bucket size from tiny to whole keeps them together, sends
+    every tensor once, and keeps every bucket's layout aligned."""
+    stream = [t for i in range(4) for t in _mla_layer(i, fp8)]
+    total = sum(t.numel() * t.element_size() for _, t in stream)
+    for bucket_bytes in range(8, total + 16, 7):
+        buckets = list(flat_bucket.flat_buckets(stream, bucket_bytes, first_bucket_bytes=16))
+        sent = sorted(n for b in buckets for n, _ in b)
+        assert sent == sorted(n for n, _ in stream), bucket_bytes
+        where = {n: k for k, b in enumerate(buckets) for n, _ in b}
+        for i in range(4):
+            p = f"model.layers.{i}.self_attn."
+            group = [n for n in where if n.startswith(p + "q_a_proj.") or n.startswith(p + "kv_a_")]
+            group = [n for n in group if flat_bucket.fuse_group(n)]
+            assert len(group) == (4 if fp8 else 2) and len({where[n] for n in group}) == 1
+        for b in buckets:  # SGLang's unpadded layout accepts every bucket
+            flat_bucket.layout([n for n, _ in b], [t.dtype for _, t in b], [t.shape for _, t in b])
+
+
+def test_streams_without_fuse_groups_are_cut_as_before():
+    assert flat_bucket.fuse_group("model.layers.3.self_attn.q_a_proj.weight") == (
+        "model.layers.3.self_attn."
+    )
+    assert flat_bucket.fuse_group("model.layers.3.self_attn.q_a_layernorm.weight") is None
+    assert flat_bucket.fuse_group("model.layers.3.self_attn.q_proj.weight") is None
+    tensors = [(f"model.layers.0.self_attn.{k}.weight", torch.zeros(10)) for k in "qkvo"]
+    cut = [[n[-8] for n, _ in b] for b in flat_bucket.flat_buckets(tensors, bucket_bytes=80)]
+    assert cut == [["q", "k"], ["v", "o"]]

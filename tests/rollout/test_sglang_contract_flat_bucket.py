@@ -9,6 +9,7 @@ stand-in runner) are the reference: the trainer's layout must be theirs byte for
 
 from __future__ import annotations
 
+import ast
 import base64
 import io
 import json
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sglang_source import load_class, load_method, load_module
+from sglang_source import class_node, load_class, load_method, load_module
 
 from megatron_rl.rollout import flat_bucket
 from megatron_rl.rollout.weight_sync import staging
@@ -151,3 +152,37 @@ def test_tensor_payload_is_a_handle_that_an_unrelated_process_maps():
     got = json.loads(run.stdout.strip().splitlines()[-1])
     want = [[n, t.double().sum().item(), str(t.dtype)] for n, t in bucket]
     assert got == want
+
+
+DEEPSEEK_LOADER = "srt/models/deepseek_common/deepseek_weight_loader.py"
+
+
+def test_sglang_fuses_q_a_and_kv_a_only_within_one_load_call_so_buckets_keep_them_together():
+    """SGLang's DeepSeek loader keeps its half-loaded q_a/kv_a tensors in a dict local to one
+    ``do_load_weights`` call (one bucket) and writes ``fused_qkv_a_proj_with_mqa`` only when both
+    halves are there; a half left at the call's end is dropped. What `flat_bucket` must do, then,
+    is what tests/rollout/test_flat_bucket.py checks: both halves of a layer in one bucket."""
+    loader = class_node(DEEPSEEK_LOADER, "DeepseekV2WeightLoaderMixin")
+    method = next(
+        n for n in loader.body if isinstance(n, ast.FunctionDef) and n.name == "do_load_weights"
+    )
+    local = [
+        n
+        for n in ast.walk(method)
+        if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "cached_a_proj" for t in n.targets)
+    ]
+    assert local, "cached_a_proj is no longer a local of do_load_weights: re-read the contract"
+    text = ast.unparse(method)
+    assert "fused_qkv_a_proj_with_mqa" in text
+    assert "q_a_proj_name in cached_a_proj and kv_a_proj_name in cached_a_proj" in text
+    assert not any(
+        isinstance(n, ast.Attribute) and n.attr == "cached_a_proj" for n in ast.walk(loader)
+    ), "SGLang now keeps the halves across calls (self.cached_a_proj): re-read the contract"
+    attention = "model.layers.0.self_attn."
+    names = [attention + "q_a_proj.weight", attention + "q_b_proj.weight"]
+    names += [attention + "kv_a_proj_with_mqa.weight", "model.layers.0.mlp.gate.weight"]
+    stream = [(n, torch.zeros(64, dtype=torch.bfloat16)) for n in names]
+    buckets = [[n for n, _ in b] for b in flat_bucket.flat_buckets(stream, bucket_bytes=200)]
+    together = [b for b in buckets if any("q_a_proj" in n for n in b)]
+    assert any("kv_a_proj_with_mqa" in n for n in together[0]), buckets
