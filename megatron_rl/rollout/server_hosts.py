@@ -39,9 +39,15 @@ def handle_servers(
 
 
 def is_this_host(address: str) -> bool:
-    """Whether ``address`` (an IP address) is this machine's: loopback (``127.0.0.0/8``, ``::1``)
-    or one that this machine's own hostname resolves to."""
+    """Whether ``address`` (an IP address) is this machine's: loopback (``127.0.0.0/8``, ``::1``),
+    an address a socket can bind here (any local interface's, whatever the hostname resolves
+    to: on stock Debian/DGX-OS ``/etc/hosts`` maps ``gethostname()`` to ``127.0.1.1``, not to the
+    interface a cluster's node name resolves to), or one the hostname resolves to."""
     if address.startswith("127.") or address == "::1":
+        return True
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.bind((address, 0))  # only a local interface's address can be bound
         return True
     own: set[str] = set()
     with contextlib.suppress(OSError):

@@ -222,3 +222,29 @@ def test_a_cuda_handle_the_server_cannot_open_names_the_distributed_transport(
         client.update_weights(tensors(shared_engine), version=1)
     assert "--weight-sync-transport distributed" in str(err.value)
     assert not server._session_open
+
+
+def test_a_local_interface_is_this_host_even_when_the_hostname_resolves_to_127_0_1_1(monkeypatch):
+    """Stock Debian/DGX-OS /etc/hosts maps the hostname to 127.0.1.1, while a cluster's node name
+    resolves to the node's interface: the rank's own server must still be accepted."""
+    import socket
+
+    from megatron_rl.rollout import server_hosts
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.7", 9))  # no packet is sent: picks the outgoing interface
+        interface = probe.getsockname()[0]
+    if interface.startswith("127."):
+        pytest.skip("this machine has no non-loopback interface")
+    real = socket.getaddrinfo
+    only_loopback = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+    monkeypatch.setattr(
+        socket,
+        "getaddrinfo",
+        lambda host, *a, **k: (
+            only_loopback if host == socket.gethostname() else real(host, *a, **k)
+        ),
+    )
+    assert server_hosts.is_this_host(interface)
+    check_same_host(f"http://{interface}:30000")
+    assert not server_hosts.is_this_host("192.0.2.7")  # TEST-NET-1: never bound here
