@@ -172,10 +172,12 @@ rl_job_args() {
     --num-servers 1 --tp-size "${SERVER_TP}" --ep-size "${SERVER_EP}"
     --mem-fraction-static "${SERVER_MEM_FRACTION}"
   )
+  # SGLang's own interpreter on every serving node, colocated or not: sglang 0.5.23 pins torch
+  # and transformers versions the trainer's environment does not hold
+  if [[ -n "${SGLANG_PYTHON:-}" ]]; then SERVE_ARGS+=(--python "${SGLANG_PYTHON}"); fi
   if [[ "${COLOCATE:-0}" == 1 ]]; then
     # released and resumed by the trainer, CUDA graphs included; output in the node's log
     SERVE_ARGS+=(--memory-saver --health-timeout "${SERVER_WAIT_S:-900}")
-    if [[ -n "${SGLANG_PYTHON:-}" ]]; then SERVE_ARGS+=(--python "${SGLANG_PYTHON}"); fi
   else
     SERVE_ARGS+=(--log-dir "${RUN_DIR}")
   fi

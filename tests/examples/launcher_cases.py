@@ -80,6 +80,8 @@ CASES: dict[str, tuple[str, str, int, dict]] = {
     "30b_node1": _run(RUN_30B, 1),
     "30b_node2": _run(RUN_30B, 2),
     "30b_node3_r3": _run(RUN_30B, 3, REPLAY="r3"),
+    # a serving node runs SGLang with its own interpreter (sglang pins torch / transformers)
+    "30b_node2_sglang_python": _run(RUN_30B, 2, SGLANG_PYTHON="/opt/sglang/bin/python"),
     "30b_node0_epic_r3_n4": _run(RUN_30B, 0, LOSS="epic", REPLAY="r3", STALENESS="4"),
     "30b_node0_gspo": _run(RUN_30B, 0, LOSS="gspo"),
     "30b_node0_gspo_token_r2": _run(RUN_30B, 0, LOSS="gspo_token", REPLAY="r2"),
