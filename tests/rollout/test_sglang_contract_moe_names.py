@@ -100,3 +100,30 @@ def test_every_exported_name_is_one_sglangs_loader_maps(ws1, preset, files):
         if missing:
             unknown.append(f"{name} -> {mapped}: {missing}")
     assert not unknown, "\n".join(unknown)
+
+
+def test_the_exporters_deepseek_stream_keeps_each_layers_q_a_and_kv_a_in_one_bucket(ws1):
+    """The weight sync's real stream of a q-LoRA MLA model (the exporter, in its own order: q_a,
+    q_a_layernorm, q_b, kv_a, ...) cut at every bucket size from one tensor's to the whole
+    model's: no layer's q_a_proj / kv_a_proj_with_mqa pair is ever split across buckets
+    (SGLang fuses the pair only within one load call, see test_sglang_contract_flat_bucket)."""
+    from megatron_rl.rollout.flat_bucket import flat_buckets, fuse_group
+
+    config = preset_config("tiny-deepseek")
+    stream = list(iter_hf_tensors(build_model(config), config))
+    grouped = [n for n, _ in stream if fuse_group(n)]
+    assert len(grouped) == 2 * config.num_hidden_layers, grouped
+    sizes = sorted({t.numel() * t.element_size() for _, t in stream})
+    total = sum(sizes)
+    for bucket_bytes in sorted({*sizes, *range(sizes[0], total + 1, max(1, total // 97))}):
+        where = {}
+        for k, bucket in enumerate(flat_buckets(stream, bucket_bytes)):
+            where.update({n: k for n, _ in bucket})
+        assert len(where) == len(stream)
+        for name in grouped:
+            partner = re.sub(
+                r"q_a_proj|kv_a_proj_with_mqa",
+                lambda m: "kv_a_proj_with_mqa" if m.group() == "q_a_proj" else "q_a_proj",
+                name,
+            )
+            assert where[name] == where[partner], (bucket_bytes, name)
