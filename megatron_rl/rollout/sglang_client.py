@@ -54,6 +54,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import torch
 import torch.distributed as dist
 
+from megatron_rl import stop_signal
 from megatron_rl.moe_layers import moe_layer_pattern
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, check_url
 from megatron_rl.rollout.memory_occupation import ServerMemory
@@ -312,16 +313,19 @@ class SGLangEngine:
 
         SGLang listens only once its model is loaded (minutes for a 235B checkpoint), so a
         trainer started beside its servers would otherwise fail its first sync with "connection
-        refused". Logs a progress line every ``progress_s`` seconds; RuntimeError naming the
-        servers still down after ``startup_timeout_s`` (``--sglang-startup-timeout``). Then
+        refused". Logs a progress line at the first failed probe and every ``progress_s``
+        seconds; RuntimeError naming the servers still down after ``startup_timeout_s``
+        (``--sglang-startup-timeout``);
+        `StopRequested` within one poll of a stop signal (`megatron_rl.stop_signal`). Then
         checks each worker's TP size (`check_servers`).
         """
         start = time.monotonic()
         waiting = list(self.config.http.urls)
         if self.config.router_url is not None:
             waiting.append(self.config.router_url)
-        last_log = start
+        last_log = start - progress_s  # the first failed probe says what is waited for
         while waiting:
+            stop_signal.raise_if_requested(f"waiting for SGLang servers {waiting}")
             pools = [self.pool if u == self.config.router_url else self.workers for u in waiting]
             waiting = [u for u, pool in zip(waiting, pools, strict=True) if not pool.probe(u)]
             now = time.monotonic()

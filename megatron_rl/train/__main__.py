@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # without a terminal (CI, log files) the progress bar becomes one INFO line per step
     logging.getLogger("megatron_rl.train.run_logger").setLevel(logging.INFO)
+    # the wait for the SGLang servers says what it waits for from its first progress line
+    logging.getLogger("megatron_rl.rollout.sglang_client").setLevel(logging.INFO)
     try:
         config = parse_args(argv)
     except ValueError as err:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
+from megatron_rl import stop_signal
 from megatron_rl.collectives import any_rank
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,10 @@ class PreemptionHandler:
         # Only set flags: logging from a signal handler can re-enter a held handler lock.
         self._received = signal.Signals(signum)
         self._requested = True
+        stop_signal.request()  # the waits outside the training loop poll this one
 
     def __enter__(self) -> PreemptionHandler:
+        stop_signal.clear()
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not the main thread: stop signals are not handled, only request()")
             return self
@@ -74,6 +77,7 @@ class PreemptionHandler:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        stop_signal.clear()  # served: a later wait in this process starts clean
         for sig, previous in self._previous.items():
             # None: the old handler was not installed from Python; the default is the best guess.
             signal.signal(sig, signal.SIG_DFL if previous is None else previous)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_rl import stop_signal
 from megatron_rl.lazy_exports import lazy_getattr
 from megatron_rl.train.checkpoint.folders import choose_step, step_folders
 from megatron_rl.train.checkpoint.load import load_training_state
@@ -132,7 +133,11 @@ def run(
                 task = build_task(config.task, config.eval)
             elif not task.eval_sets:
                 task = add_eval_sets(task, config.task, config.eval)
-        trainer = _trainer_class()(config, task=task, **dist_kwargs)
+        try:
+            trainer = _trainer_class()(config, task=task, **dist_kwargs)
+        except stop_signal.StopRequested as stop:  # e.g. while the servers were still loading
+            logger.warning("%s", stop)
+            return {}
         stack.callback(trainer.close)
         saver = stack.enter_context(_Saver(trainer, config))  # commits before trainer.close
         if load is not None:

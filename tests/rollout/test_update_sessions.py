@@ -248,3 +248,25 @@ def test_a_local_interface_is_this_host_even_when_the_hostname_resolves_to_127_0
     assert server_hosts.is_this_host(interface)
     check_same_host(f"http://{interface}:30000")
     assert not server_hosts.is_this_host("192.0.2.7")  # TEST-NET-1: never bound here
+
+
+def test_a_stop_signal_ends_the_wait_for_the_servers_within_one_poll(caplog):
+    from megatron_rl import stop_signal
+
+    config = SGLangEngineConfig.from_hf_config(
+        tiny_config(),
+        http=HttpPoolConfig(urls=("http://127.0.0.1:9",), connect_timeout_s=0.2),
+        startup_timeout_s=600,
+    )
+    caplog.set_level("INFO", logger="megatron_rl.rollout.sglang_client")
+    timer = threading.Timer(0.5, stop_signal.request)
+    timer.start()
+    try:
+        with SGLangEngine(config) as client, pytest.raises(stop_signal.StopRequested) as err:
+            client.wait_until_ready(poll_s=0.1)
+    finally:
+        timer.cancel()
+        stop_signal.clear()
+    assert "waiting for SGLang servers ['http://127.0.0.1:9']" in str(err.value)
+    # the first failed probe already said what the trainer waits for
+    assert "waiting for SGLang servers" in caplog.records[0].getMessage()

@@ -86,3 +86,43 @@ def test_stop_requested_on_one_rank_is_agreed_by_all(tmp_path):
     assert [w.exitcode for w in workers] == [0, 0]
     for rank in range(2):
         assert (tmp_path / f"agreed{rank}.txt").read_text() == "False True True"
+
+
+@pytest.mark.slow
+def test_the_cli_waiting_for_servers_that_never_come_up_stops_within_seconds_of_sigterm(tmp_path):
+    """SLURM preemption, a launcher's trap and ``timeout`` stop a run with SIGTERM; a trainer
+    still waiting for its SGLang servers to load must not sit out --sglang-startup-timeout. Its
+    log says what it waits for from the first failed probe. (Port 9, discard: nothing answers.)"""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    command = [
+        sys.executable, "-m", "megatron_rl.train", "--device", "cpu", "--rollout-engine",
+        "sglang", "--sglang-url", "http://127.0.0.1:9", "--sglang-startup-timeout", "600",
+        "--run-dir", str(tmp_path / "run"), "--train-iters", "1",
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen(
+        command, cwd=root, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    deadline = threading.Timer(90, child.kill)  # a wait that never logs fails, not hangs
+    deadline.start()
+    try:
+        lines = []
+        for line in child.stderr:  # the first progress line comes at the first failed probe
+            lines.append(line)
+            if "waiting for SGLang servers" in line:
+                break
+        assert any("waiting for SGLang servers" in line for line in lines), "".join(lines)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        rest = child.communicate(timeout=60)[1]
+        waited = time.monotonic() - sent
+    finally:
+        deadline.cancel()
+        child.kill()
+    assert waited < 10, waited
+    assert "stop signal while waiting for SGLang servers" in rest, rest[-2000:]
