@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.collectives import max_over_ranks
 from megatron_rl.rollout.memory_occupation import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS
 from megatron_rl.train.offload import TrainerOffload
 
@@ -45,14 +47,31 @@ logger = logging.getLogger(__name__)
 GENERATION_TAGS = (KV_CACHE, CUDA_GRAPH)  # resumed for a rollout, after the weights are in
 
 
+class ColocateMemoryError(RuntimeError):
+    """The servers' KV cache and CUDA graphs would not fit beside what the trainer left."""
+
+
 class Colocation:
     """The memory hand-over of one trainer rank; ``engine``: the SGLang client on the rank that
     drives the servers (``release_memory`` / ``resume_memory``), None on the others."""
 
-    def __init__(self, offload: TrainerOffload, engine=None, *, group=None) -> None:
+    def __init__(
+        self,
+        offload: TrainerOffload,
+        engine=None,
+        *,
+        group=None,
+        generation_bytes: int | None = None,
+        free_bytes: Callable[[], int | None] | None = None,
+    ) -> None:
+        """``generation_bytes``: what the servers' KV cache and CUDA graphs take on this rank's
+        GPU (`release_generation_memory` measured it; None: unknown, nothing is checked);
+        ``free_bytes``: the device's free bytes now (default `free_device_bytes`)."""
         self.offload = offload
         self.engine = engine
         self.group = group  # the barrier's process group (None: every rank)
+        self.generation_bytes = generation_bytes
+        self.free_bytes = free_bytes or (lambda: free_device_bytes(offload.device))
         self._metrics: dict[str, float] = {}
         # the servers' released tags, as this side left them (`release_generation_memory`
         # released the generation tags before the model was built)
@@ -68,6 +87,7 @@ class Colocation:
         self._metrics["colocate/host_allocations"] = float(self.offload.host_allocations)
         self._metrics.update(device_memory_metrics(self.offload.device))
         self._barrier()
+        self._check_room()  # every rank, before any server resumes
         if self.engine is not None:
             self.engine.resume_memory(list(GENERATION_TAGS))
         self.released -= set(GENERATION_TAGS)
@@ -122,21 +142,53 @@ class Colocation:
         but not by torch's allocator: CUDA context, NCCL buffers, the servers)."""
         return dict(self._metrics)
 
+    def _check_room(self) -> None:
+        """`ColocateMemoryError` on every rank when any rank's GPU has less free memory than
+        the servers' KV cache and CUDA graphs took there at start-up: resuming them would make
+        torch_memory_saver end the server (a dead server, not an error). A collective."""
+        free = self.free_bytes()
+        if self.generation_bytes is None or free is None:
+            return
+        shortfall = float(self.generation_bytes - free)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            (shortfall,) = max_over_ranks([shortfall], group=self.group)
+        if shortfall > 0:
+            raise ColocateMemoryError(
+                f"--colocate: a GPU has {shortfall / 2**30:.2f} GiB less free memory after the "
+                "trainer's offload than the servers' KV cache and CUDA graphs took at start-up "
+                f"({self.generation_bytes / 2**30:.2f} GiB here, {free / 2**30:.2f} GiB free): "
+                "resuming them would end the server. The trainer left memory behind "
+                "(colocate/device_untracked_bytes); lower the servers' --mem-fraction-static (the "
+                "launchers' MEM_FRACTION) or the trainer's footprint"
+            )
+
     def _barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.barrier(group=self.group)
 
 
-def release_generation_memory(engine=None, group=None) -> None:
+def release_generation_memory(engine=None, group=None, device=None) -> int | None:
     """Before the trainer builds its model: the servers (started with everything resident)
     release what generation alone needs, their KV cache and CUDA graphs, so the trainer's
     model and optimizer never share the GPUs with them (slime releases its engines before it
     builds its actors). ``engine``: the SGLang client on the rank that drives the servers, None
-    on the others; collective over ``group``."""
+    on the others; collective over ``group``. Returns the bytes that freed on this rank's GPU
+    ``device`` (what a resume will need there again; None off CUDA)."""
+    before = free_device_bytes(device) if device is not None else None
     if engine is not None:
         engine.release_memory(list(GENERATION_TAGS))
     if dist.is_initialized():
         dist.barrier(group=group)
+    after = free_device_bytes(device) if device is not None else None
+    return None if before is None or after is None else max(0, after - before)
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """The device's free bytes (``cudaMemGetInfo``, every process counted); None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])
 
 
 def device_memory_metrics(device: torch.device) -> dict[str, float]:

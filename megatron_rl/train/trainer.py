@@ -95,7 +95,9 @@ class Trainer:
         self.engine: RolloutEngine | None = self._build_engine() if remote else None
         self.pushes_weights = remote and dist.get_rank() == 0
         if config.engine.colocate:  # the servers leave the GPUs to the model about to be built
-            release_generation_memory(self.engine if self.pushes_weights else None)
+            self.generation_bytes = release_generation_memory(
+                self.engine if self.pushes_weights else None, device=self.device
+            )
         self.model, self.optimizer = build_policy(config, self.hf_config, task.checkpoint_dir)
         self.objective = config.objective
         self.reference = build_reference(config, self.hf_config, self.model.module, self.device)
@@ -219,7 +221,8 @@ class Trainer:
         if not self.config.engine.colocate:
             return None
         offload = TrainerOffload(self.model, self.optimizer, device=self.device)
-        return Colocation(offload, self.engine if self.pushes_weights else None)
+        engine = self.engine if self.pushes_weights else None
+        return Colocation(offload, engine, generation_bytes=self.generation_bytes)
 
     def train_on(
         self, samples: list[TrainSample], should_stop: Callable[[], bool] | None = None

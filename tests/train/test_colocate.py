@@ -216,3 +216,32 @@ def test_a_colocated_run_syncs_the_trainers_exact_weights(tmp_path, monkeypatch)
     assert last["colocate/trainer_resident_bytes_during_rollout"] == 0.0
     assert last["colocate/offloaded_bytes"] > 1e5
     assert calls == _expected_calls(steps=2)
+
+
+def test_a_resume_that_would_not_fit_is_a_named_error_and_no_server_call():
+    """torch_memory_saver ends an SGLang server whose KV-cache / CUDA-graph resume does not fit.
+    The trainer measures what the servers released at start-up and, after its offload, refuses
+    the resume with a named error when the GPU has less free than that (before, it resumed and
+    the server died). Device memory is a stand-in here: the CPU has none to measure."""
+    import torch
+
+    from megatron_rl.train.colocate import ColocateMemoryError, Colocation
+    from megatron_rl.train.offload import TrainerOffload
+
+    model = torch.nn.Linear(8, 8)
+    offload = TrainerOffload(model, torch.optim.Adam(model.parameters()), device="cpu")
+    servers = _Servers(offload)
+    free = {"bytes": 10 * 2**30}
+    colocation = Colocation(
+        offload, servers, generation_bytes=12 * 2**30, free_bytes=lambda: free["bytes"]
+    )
+    with pytest.raises(ColocateMemoryError, match=r"2\.00 GiB less free memory"):
+        colocation.before_rollout()
+    assert not [c for c in servers.calls if c[0] == "resume"]  # nothing was asked of them
+    offload.onload()
+    free["bytes"] = 12 * 2**30  # room for exactly what they released
+    colocation.before_rollout()
+    assert servers.calls[-1][:2] == ("resume", ("kv_cache", "cuda_graph"))
+    unmeasured = Colocation(offload, servers, generation_bytes=None, free_bytes=lambda: 0)
+    offload.onload()
+    unmeasured.before_rollout()  # off CUDA nothing is measured and nothing is refused
