@@ -328,7 +328,8 @@ def offload_check(device: str, quick: bool, workdir: str) -> dict:
         offload = TrainerOffload(model, optimizer)
         before = [t.detach().clone() for t in model.parameters()]
         account_before = device_memory_metrics(offload.device)
-        moved = offload.offload()
+        freed = offload.offload()
+        moved = offload.copied_bytes  # the gradient buffers are freed, not copied
         account_after = device_memory_metrics(offload.device)
         pinned = bool(offload._arena.pinned and offload._arena.buffer.is_pinned())
         offload.onload()
@@ -337,6 +338,7 @@ def offload_check(device: str, quick: bool, workdir: str) -> dict:
         exact = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         result = {
             "check": "offload",
+            "freed_bytes": freed,
             "moved_bytes": moved,
             "host_arena_bytes": offload.host_bytes,
             "host_allocations": offload.host_allocations,

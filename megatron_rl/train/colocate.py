@@ -83,6 +83,7 @@ class Colocation:
         freed = self.offload.offload()
         self._metrics["colocate/offload_s"] = time.perf_counter() - t
         self._metrics["colocate/offloaded_bytes"] = float(freed)
+        self._metrics["colocate/copied_bytes"] = float(self.offload.copied_bytes)
         self._metrics["colocate/host_arena_bytes"] = float(self.offload.host_bytes)
         self._metrics["colocate/host_allocations"] = float(self.offload.host_allocations)
         self._metrics.update(device_memory_metrics(self.offload.device))
@@ -131,7 +132,9 @@ class Colocation:
             )
 
     def metrics(self) -> dict[str, float]:
-        """``colocate/offload_s``, ``colocate/onload_s``, ``colocate/offloaded_bytes``,
+        """``colocate/offload_s``, ``colocate/onload_s``, ``colocate/offloaded_bytes`` (device
+        bytes freed), ``colocate/copied_bytes`` (of them, copied to host: not the gradient
+        buffers, `TrainerOffload`),
         ``colocate/host_arena_bytes`` (the host copy's one buffer), ``colocate/host_allocations``
         (arenas made so far: 1 while the trainer's storages keep their sizes),
         ``colocate/trainer_resident_bytes_during_rollout`` (tracked tensors still on the

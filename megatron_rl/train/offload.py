@@ -5,7 +5,13 @@ megatron DDP's contiguous ``param_data`` / ``grad_data`` buffers (``main_grad`` 
 and the optimizer's tensors (its fp32 main parameters and their ``.grad``, Adam's ``exp_avg`` and
 ``exp_avg_sq``) into one host arena (pinned on GPU), then frees the device storage with
 ``untyped_storage().resize_(0)``; `onload()` resizes each storage back and copies its bytes in.
-Every tensor keeps its identity and its views (a parameter that views ``param_data``, an
+megatron DDP's gradient buffers (``grad_data``, with the ``main_grad`` views into them) are freed
+but not copied: the trainer zeroes them before every update (``zero_grad``), so their bytes at
+the end of a step are never read again, and `onload()` gives them back zeroed (as megatron's own
+``reload_from_cpu`` does). Their bytes never cross the bus: fp32 gradients are 4 bytes per
+parameter, beside 2 of bf16 weights and 12 / DP of the distributed Adam's state. Every tensor
+keeps its identity
+and its views (a parameter that views ``param_data``, an
 optimizer's ``main_grad`` view), so nothing has to be re-pointed, and any use of an offloaded
 tensor fails loudly ("setStorage: ... requiring a storage size ..."). Views are handled by
 working on the underlying storages, each once.
@@ -99,12 +105,14 @@ class TrainerOffload:
         self.optimizer = optimizer
         first = next(model.parameters())
         self.device = torch.device(device) if device is not None else first.device
-        self._held: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # (storage, host copy)
+        # (storage, host copy or None for a gradient buffer, its device bytes)
+        self._held: list[tuple[torch.UntypedStorage, torch.Tensor | None, int]] = []
         # kept across steps (pinning tens of GB anew for every rollout costs seconds) while the
         # storages and their sizes are the same; ``host_allocations`` counts the arenas made
         self._arena: HostArena | None = None
         self._arena_key: tuple[tuple[int, int], ...] = ()
         self.host_allocations = 0
+        self.copied_bytes = 0  # the last offload's bytes copied to host (gradients are not)
 
     @property
     def offloaded(self) -> bool:
@@ -120,7 +128,8 @@ class TrainerOffload:
         return sum(s.nbytes() for s in self._storages() if s.device == self.device)
 
     def offload(self) -> int:
-        """Copy every tracked storage to host memory and free it on the device; the bytes freed.
+        """Copy every tracked storage to host memory (the gradient buffers excepted: module
+        docstring) and free it on the device; the device bytes freed.
 
         RuntimeError if already offloaded (an onload was missed)."""
         if self._held:
@@ -129,28 +138,38 @@ class TrainerOffload:
         if pin:
             torch.cuda.synchronize(self.device)  # kernels still reading the buffers finish
         storages = [s for s in self._storages() if s.device == self.device and s.nbytes() > 0]
-        hosts = self._arena_for(storages, pin=pin).views
+        scratch = self._gradient_storages()
+        kept = [s for s in storages if s._cdata not in scratch]
+        hosts = iter(self._arena_for(kept, pin=pin).views)
         freed = 0
-        for storage, host in zip(storages, hosts, strict=True):
-            host.copy_(_bytes_of(storage))
+        for storage in storages:
+            nbytes = storage.nbytes()
+            host = None if storage._cdata in scratch else next(hosts)
+            if host is not None:
+                host.copy_(_bytes_of(storage))
             storage.resize_(0)
-            self._held.append((storage, host))
-            freed += host.numel()
+            self._held.append((storage, host, nbytes))
+            freed += nbytes
+        self.copied_bytes = sum(h.numel() for _, h, _ in self._held if h is not None)
         if pin:
             torch.cuda.empty_cache()  # the freed blocks go back to the driver, for the servers
         logger.debug("trainer offloaded: %d bytes from %d storages", freed, len(self._held))
         return freed
 
     def onload(self) -> int:
-        """Re-allocate every offloaded storage on the device and copy its bytes back; the bytes
-        restored. RuntimeError if nothing is offloaded."""
+        """Re-allocate every offloaded storage on the device and copy its bytes back (the
+        gradient buffers come back zeroed); the device bytes restored. RuntimeError if nothing
+        is offloaded."""
         if not self._held:
             raise RuntimeError("TrainerOffload.onload() without offload()")
         restored = 0
-        for storage, host in self._held:
-            storage.resize_(host.numel())
-            _bytes_of(storage).copy_(host)
-            restored += host.numel()
+        for storage, host, nbytes in self._held:
+            storage.resize_(nbytes)
+            if host is None:  # a gradient buffer: zeroed, as before the next update anyway
+                _bytes_of(storage).zero_()
+            else:
+                _bytes_of(storage).copy_(host)
+            restored += nbytes
         self._held = []
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -185,9 +204,17 @@ class TrainerOffload:
         for tensor in self._tensors():
             storage = tensor.untyped_storage()
             seen.setdefault(storage._cdata, storage)  # the StorageImpl: one per allocation
-        for storage, _ in self._held:  # offloaded ones (nbytes 0) stay tracked
+        for storage, _, _ in self._held:  # offloaded ones (nbytes 0) stay tracked
             seen.setdefault(storage._cdata, storage)
         return list(seen.values())
+
+    def _gradient_storages(self) -> set[int]:
+        """The ``_cdata`` of megatron DDP's gradient buffers' storages (freed, never copied)."""
+        return {
+            buffer.grad_data.untyped_storage()._cdata
+            for buffer in _ddp_buffers(self.model)
+            if isinstance(getattr(buffer, "grad_data", None), torch.Tensor)
+        }
 
     def _tensors(self) -> Iterator[torch.Tensor]:
         model = self.model
