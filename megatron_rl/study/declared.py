@@ -135,25 +135,35 @@ class Result:
 
 
 def analyse(declaration: Declaration, arms: Mapping[str, Sequence[Record]]) -> list[Result]:
-    """Every declared comparison on the records of ``arms`` (by arm name), Holm-adjusted."""
+    """Every declared comparison on the records of ``arms`` (by arm name), Holm-adjusted.
+
+    A grid in progress: a comparison whose arms share fewer than 2 seeds (an arm with no record
+    yet included) has no test (nan) and counts as p = 1 in Holm's adjustment; every comparison
+    short of the declared seeds is "pending"."""
     scores: dict[str, dict[int, float]] = {}
     for c in declaration.comparisons:
         for arm in (c.a, c.b):
-            if arm not in arms:
-                raise ValueError(f"comparison {c.a} vs {c.b}: no record of arm {arm!r}")
             scores[arm] = {
-                r.seed: run_score(r, declaration.metric, declaration.score) for r in arms[arm]
+                r.seed: run_score(r, declaration.metric, declaration.score)
+                for r in arms.get(arm, ())
             }
+    nan = paired.PairedTest(0, math.nan, math.nan, math.nan, math.nan)
     partial = []
     for c in declaration.comparisons:
-        seeds, diffs = paired.paired_values(scores[c.a], scores[c.b])
+        common = sorted(set(scores[c.a]) & set(scores[c.b]))
+        if len(common) < 2:
+            partial.append((c, common, nan, math.nan))
+            continue
+        a = {s: scores[c.a][s] for s in common}
+        seeds, diffs = paired.paired_values(a, {s: scores[c.b][s] for s in common})
         flip = paired.sign_flip_p(diffs) if len(diffs) <= paired.SIGN_FLIP_MAX_N else math.nan
         partial.append((c, seeds, paired.paired_t(diffs), flip))
-    adjusted = paired.holm([test.p for _, _, test, _ in partial])
+    adjusted = paired.holm([1.0 if math.isnan(t.p) else t.p for _, _, t, _ in partial])
     results = []
     for (c, seeds, test, flip), holm_p in zip(partial, adjusted, strict=True):
+        complete = min(len(scores[c.a]), len(scores[c.b])) >= declaration.seeds
         verdict = "not distinguishable"
-        if len(seeds) < declaration.seeds:
+        if not complete or math.isnan(test.p):
             verdict = f"pending ({len(seeds)} of {declaration.seeds} seeds)"
         elif holm_p < declaration.alpha:
             wanted = test.mean > 0 if c.expected == "a > b" else test.mean < 0
@@ -162,15 +172,20 @@ def analyse(declaration: Declaration, arms: Mapping[str, Sequence[Record]]) -> l
             Result(
                 c,
                 tuple(seeds),
-                sum(scores[c.a][s] for s in seeds) / len(seeds),
-                sum(scores[c.b][s] for s in seeds) / len(seeds),
+                _mean_over(scores[c.a], seeds),
+                _mean_over(scores[c.b], seeds),
                 test,
                 flip,
-                holm_p,
+                math.nan if math.isnan(test.p) else holm_p,
                 verdict,
             )
         )
     return results
+
+
+def _mean_over(scores: Mapping[int, float], seeds: Sequence[int]) -> float:
+    """The mean of ``scores`` over ``seeds`` (nan for none)."""
+    return sum(scores[s] for s in seeds) / len(seeds) if seeds else math.nan
 
 
 def render(declaration: Declaration, results: Sequence[Result]) -> list[str]:
