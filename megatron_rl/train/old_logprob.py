@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.collectives import sum_over_ranks
 from megatron_rl.losses import rollout_correction
 from megatron_rl.train.batch import MicroBatch
 from megatron_rl.train.config import TrainConfig
@@ -105,24 +106,35 @@ class OldLogprobs:
         self.record((j, i), mb, entry, logits)
         return entry
 
-    def finish(self, metrics: dict[str, float]) -> None:
+    def finish(self, metrics: dict[str, float], *, group=None) -> None:
         """The mismatch and entropy metrics over every micro-batch that has its old log-probs
-        (on the last stage; a folded update that never ran leaves its micro-batches out)."""
-        if not self.gaps:
-            return
+        (on the last stage; a folded update that never ran leaves its micro-batches out).
+
+        Every last-stage rank must call it (``group``: its data-parallel group): the gap by
+        response position is summed over the group, token-weighted, so that every rank reports
+        the same buckets (a bucket empty on one rank would otherwise give the ranks different
+        metric keys)."""
         order = sorted(self.gaps)  # micro-batch order, whichever ran first
+        gap = torch.cat([self.gaps[k] for k in order]).clamp(-20, 20) if order else None
+        positions = torch.cat([self.positions[k] for k in order]) if order else None
+        totals = []
+        for start, end in GAP_POSITION_BUCKETS:
+            if gap is None:
+                totals += [0.0, 0.0]
+                continue
+            inside = positions >= start if end is None else (positions >= start) & (positions < end)
+            totals += [float(gap[inside].abs().sum()), float(inside.sum())]
+        totals = sum_over_ranks(totals, group=group)
+        for b, (start, end) in enumerate(GAP_POSITION_BUCKETS):
+            total, count = totals[2 * b], totals[2 * b + 1]
+            if count > 0:
+                name = f"pos_{start}_{'' if end is None else end - 1}".rstrip("_")
+                metrics[f"mismatch/train_rollout_logprob_abs_gap/{name}"] = total / count
+        if gap is None:
+            return
         # log(pi_train / mu_rollout) per response token
-        gap = torch.cat([self.gaps[key] for key in order]).clamp(-20, 20)
         metrics["mismatch/train_rollout_logprob_abs_gap"] = float(gap.abs().mean())
         metrics["mismatch/train_rollout_k3"] = float((torch.expm1(-gap) + gap).mean())
-        positions = torch.cat([self.positions[key] for key in order])
-        for start, end in GAP_POSITION_BUCKETS:
-            inside = positions >= start if end is None else (positions >= start) & (positions < end)
-            if inside.any():
-                name = f"pos_{start}_{'' if end is None else end - 1}".rstrip("_")
-                metrics[f"mismatch/train_rollout_logprob_abs_gap/{name}"] = float(
-                    gap[inside].abs().mean()
-                )
         metrics["entropy"] = float(torch.cat([self.entropies[key] for key in order]).mean())
 
 

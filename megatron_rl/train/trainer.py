@@ -276,7 +276,8 @@ class Trainer:
             for name, counts in ratios.items():
                 summed = sum_over_ranks(counts.tolist(), group=self.ranks.dp_group)
                 metrics.update(quantile_metrics(name, summed))
-        old.finish(metrics)  # the mismatch and entropy, folded micro-batches included
+        if self.ranks.last_stage:  # the mismatch and entropy, folded micro-batches included
+            old.finish(metrics, group=self.ranks.dp_group)
         if self.ranks.pp > 1:  # the losses, log-probs and entropies came from the last stage
             last = parallel_state.get_pipeline_model_parallel_last_rank()
             metrics = broadcast_object(metrics, src=last, group=self.ranks.pp_group)
