@@ -48,7 +48,6 @@ from megatron_rl.collectives import all_gather_objects
 from megatron_rl.rewards import compute_rewards
 from megatron_rl.rollout.types import SamplingParams
 from megatron_rl.train.eval_config import EvalConfig
-from megatron_rl.train.exact_p import ReferenceScorer
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ class Evaluator:
         engine,
         dp: int = 1,
         dp_rank: int = 0,
-        scorer: ReferenceScorer | None = None,
+        scorer=None,  # `megatron_rl.train.exact_p.ReferenceScorer` (the teacher-forced sets)
     ) -> None:
         if not sets and scorer is None:
             raise ValueError("Evaluator: no held-out set (build the task with the eval config)")
@@ -142,6 +141,8 @@ class Evaluator:
     @classmethod
     def for_trainer(cls, trainer, task) -> Evaluator:
         """The evaluator of a `Trainer` and the task holding its held-out sets."""
+        from megatron_rl.train.exact_p import ReferenceScorer  # megatron: after the trainer
+
         generates = trainer.engine is not None and trainer.ranks.is_generator
         return cls(
             trainer.config.eval,
