@@ -36,10 +36,11 @@ NUM_BINS = LOG_RATIO_EDGES.numel() + 1
 
 
 def log_ratio_counts(log_ratio: torch.Tensor) -> torch.Tensor:
-    """int64 ``[NUM_BINS]`` histogram of the (finite) values of ``log_ratio`` (any shape)."""
-    values = log_ratio.detach().reshape(-1).double().cpu()
+    """int64 ``[NUM_BINS]`` histogram of the (finite) values of ``log_ratio`` (any shape), on
+    ``log_ratio``'s device."""
+    values = log_ratio.detach().reshape(-1).double()  # on its device: no sync per micro-batch
     values = values[torch.isfinite(values)]
-    bins = torch.bucketize(values, LOG_RATIO_EDGES)
+    bins = torch.bucketize(values, LOG_RATIO_EDGES.to(values.device))
     return torch.bincount(bins, minlength=NUM_BINS)
 
 

@@ -256,7 +256,10 @@ class Trainer:
         )
         metrics["time/old_logprob"] = time.perf_counter() - t
         t = time.perf_counter()
-        ratios = {name: torch.zeros(NUM_BINS, dtype=torch.int64) for name in ("pi_old", "pi_mu")}
+        ratios = {
+            name: torch.zeros(NUM_BINS, dtype=torch.int64, device=self.device)
+            for name in ("pi_old", "pi_mu")
+        }
         norms = []
         for j, minibatch in enumerate(batches):
             if self.nonfinite.exhausted:  # the run stops after this step; apply nothing more
