@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl import stop_signal
-from megatron_rl.moe_layers import moe_layer_pattern
+from megatron_rl.moe_layers import moe_layer_pattern, num_routed_experts
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, check_url
 from megatron_rl.rollout.memory_occupation import ServerMemory
 from megatron_rl.rollout.prompt_affinity import PromptAffinity
@@ -176,7 +176,7 @@ class SGLangEngineConfig:
     @classmethod
     def from_hf_config(cls, hf_config, **kwargs) -> SGLangEngineConfig:
         return cls(
-            num_experts=int(hf_config.num_experts),
+            num_experts=num_routed_experts(hf_config),
             topk=int(hf_config.num_experts_per_tok),
             layer_pattern=tuple(moe_layer_pattern(hf_config)),
             **kwargs,

@@ -447,3 +447,20 @@ def test_a_sample_aborted_every_time_fails_naming_the_option(servers):
     with SGLangEngine(config) as client, pytest.raises(RuntimeError, match="max_abort_retries"):
         client.generate(PROMPTS[:1], PARAMS, n=1)
     assert server.requests.count("/generate") == 3
+
+
+@pytest.mark.parametrize(
+    ("preset", "experts", "pattern"),
+    [("tiny", 8, (1, 1)), ("tiny-glm", 16, (0, 0, 1, 1)), ("tiny-deepseek", 8, None)],
+)
+def test_client_config_reads_every_family_s_expert_count(preset, experts, pattern):
+    """Qwen3-MoE names it ``num_experts``, GLM-4.5 and DeepSeek-V3 ``n_routed_experts``: the
+    client takes either (GLM's and DeepSeek's launchers stopped at start-up on
+    ``hf_config.num_experts`` before)."""
+    from megatron_rl.model import preset_config
+
+    http = HttpPoolConfig(urls=("http://h:1",))
+    config = SGLangEngineConfig.from_hf_config(preset_config(preset), http=http)
+    assert config.num_experts == experts
+    if pattern is not None:
+        assert config.layer_pattern == pattern
