@@ -75,9 +75,9 @@ def megatron_optimizer_config(config: OptimizerConfig, model_config):
         bf16=model_config.bf16,
         params_dtype=model_config.params_dtype,
         use_distributed_optimizer=config.use_distributed_optimizer,
-        optimizer_cpu_offload=config.cpu_offload,
-        optimizer_offload_fraction=config.offload_fraction if config.cpu_offload else 0.0,
-        use_precision_aware_optimizer=config.cpu_offload,
+        optimizer_cpu_offload=config.offloads,
+        optimizer_offload_fraction=config.offload_fraction if config.offloads else 0.0,
+        use_precision_aware_optimizer=config.offloads,
     )
 
 
@@ -155,7 +155,7 @@ class PolicyOptimizer:
             )
         self.model = model
         self.config = config
-        if config.cpu_offload and cpu_backend_active():
+        if config.offloads and cpu_backend_active():
             raise ValueError(
                 "--optimizer-cpu-offload needs CUDA: megatron's HybridDeviceOptimizer moves the "
                 "optimizer state between GPU and host memory (on the CPU backend it already is "
@@ -182,7 +182,7 @@ class PolicyOptimizer:
             "optimizer: megatron %s Adam%s",
             "distributed" if sharded_buffers else "non-distributed",
             f", {config.offload_fraction:.0%} of its state on the CPU"
-            if config.cpu_offload
+            if config.offloads
             else "",
         )
 

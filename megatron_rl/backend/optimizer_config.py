@@ -38,7 +38,10 @@ class OptimizerConfig:
         "needs --use-distributed-optimizer)",
     )
     offload_fraction: float = option(
-        1.0, name="optimizer-offload-fraction", help="share of the offloaded optimizer state (0..1)"
+        1.0,
+        name="optimizer-offload-fraction",
+        help="share of the offloaded optimizer state (0..1); 0 offloads nothing, so the "
+        "flag above is then a no-op (a launcher that always passes it runs on CPU this way)",
     )
     # torch's AdamW kernel on the CPU backend (megatron's Adam without TE/apex is torch's AdamW)
     cpu_adam: str = option(
@@ -48,6 +51,11 @@ class OptimizerConfig:
         "fuse it on GPU; ~1e-7 of the largest parameter from foreach after 5 steps) or foreach "
         "(bitwise megatron's per-tensor loop); no effect on GPU",
     )
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any of the Adam state goes to host memory (the flag, with a share > 0)."""
+        return self.cpu_offload and self.offload_fraction > 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):

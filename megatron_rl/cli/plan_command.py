@@ -59,7 +59,7 @@ def apply_trainer_command(
         "dtype": config.model.dtype,
         "distributed_optimizer": config.optimizer.use_distributed_optimizer,
         "optimizer_offload_fraction": (
-            config.optimizer.offload_fraction if config.optimizer.cpu_offload else 0.0
+            config.optimizer.offload_fraction if config.optimizer.offloads else 0.0
         ),
         "recompute": "full" if config.model.recompute else "none",
         "micro_batch_tokens": micro * length,

@@ -95,3 +95,16 @@ def test_megatron_builds_its_hybrid_device_optimizer_from_the_flag(ws1, te_versi
 def test_offload_on_the_cpu_backend_is_refused_by_name(ws1):
     with pytest.raises(ValueError, match="--optimizer-cpu-offload needs CUDA"):
         build_optimizer(_model("float32"), OptimizerConfig(cpu_offload=True))
+
+
+def test_a_zero_offload_share_offloads_nothing_and_runs_on_the_cpu_backend(ws1):
+    """``--optimizer-cpu-offload --optimizer-offload-fraction 0`` (a launcher that always passes
+    the flag, run with ``OPTIMIZER_OFFLOAD_FRACTION=0``) is the plain optimizer: megatron gets
+    no offload, and the CPU backend builds it."""
+    config = OptimizerConfig(cpu_offload=True, offload_fraction=0.0, use_distributed_optimizer=True)
+    assert not config.offloads
+    model = _model("float32")
+    megatron = megatron_optimizer_config(config, model.config)
+    assert not megatron.optimizer_cpu_offload and not megatron.use_precision_aware_optimizer
+    assert megatron.optimizer_offload_fraction == 0.0
+    build_optimizer(model, OptimizerConfig(cpu_offload=True, offload_fraction=0.0))
