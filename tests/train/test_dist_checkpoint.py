@@ -205,3 +205,60 @@ def test_torch_dist_without_psutil_fails_clearly_instead_of_hanging(monkeypatch)
     monkeypatch.setitem(sys.modules, "psutil", None)
     with pytest.raises(RuntimeError, match="needs psutil"):
         _megatron_dist_checkpointing()
+
+
+def _one_rank_fails_collecting_worker(rank, world_size, init_method, tmp_dir) -> None:
+    """EP2: rank 1 fails once megatron has built its sharded state (megatron's collectives
+    inside that build done on both ranks), before the write; every rank must get an error."""
+    from unittest import mock
+
+    from train_state_testing import build_tiny
+
+    from megatron_rl.backend import ParallelConfig, init_distributed
+    from megatron_rl.train.checkpoint import torch_dist
+    from megatron_rl.train.checkpoint.save import save_training_state
+
+    init_distributed(
+        ParallelConfig(seed=3, expert_parallel=2),
+        rank=rank,
+        world_size=world_size,
+        init_method=init_method,
+        device="cpu",
+    )
+    _, model, optimizer = build_tiny(seed=11)
+    real = torch_dist._non_tensor_state
+
+    def failing(*args, **kwargs):
+        if rank == 1:
+            raise AssertionError("rank 1: no optimizer state")
+        return real(*args, **kwargs)
+
+    save_dir = os.path.join(tmp_dir, "ckpt")
+    with mock.patch.object(torch_dist, "_non_tensor_state", failing):
+        try:
+            save_training_state(
+                save_dir, 1, model=model, optimizer=optimizer, rl_state={}, fmt="torch_dist"
+            )
+        except (AssertionError, RuntimeError) as error:
+            message = f"{type(error).__name__}: {error}"
+        else:
+            message = "saved"
+    with open(os.path.join(tmp_dir, f"rank{rank}.txt"), "w") as out:
+        out.write(message)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_failing_to_collect_its_sharded_state_stops_every_rank_instead_of_a_hang(
+    tmp_path,
+):
+    """Before the fix the other rank waited forever in megatron's save (its first global
+    collective): found by rehearsing the GLM-4.5 launcher at PP2 with a dense first stage."""
+    from qwen3_moe_testing import spawn_ranks
+
+    spawn_ranks(_one_rank_fails_collecting_worker, tmp_path, 2)
+    assert (tmp_path / "rank1.txt").read_text() == "AssertionError: rank 1: no optimizer state"
+    assert (tmp_path / "rank0.txt").read_text().startswith(
+        "RuntimeError: another rank failed while collecting step 1's sharded state"
+    )
+    assert latest_step(str(tmp_path / "ckpt")) is None  # nothing committed

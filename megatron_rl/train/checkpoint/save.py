@@ -58,7 +58,7 @@ from megatron_rl.train.checkpoint.optimizer_state import optimizer_state
 from megatron_rl.train.checkpoint.ranks import coords, layout, raise_if_any_rank_failed
 from megatron_rl.train.checkpoint.rng_state import capture_rng_state
 from megatron_rl.train.checkpoint.shards import hash_share, write_shard
-from megatron_rl.train.checkpoint.torch_dist import save_sharded
+from megatron_rl.train.checkpoint.torch_dist import save_sharded, sharded_save_state
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +272,14 @@ def _begin_save(save_dir, step, model, optimizer, rl_state, keep_last, fmt, back
         error = exc
     raise_if_any_rank_failed(error, f"writing step {step} under {pending.staging}")
     if fmt == DIST_FORMAT:
+        state = None
+        try:  # this rank's sharded state: a rank failing here stops all before the write
+            state = sharded_save_state(model, optimizer)
+        except Exception as exc:
+            error = exc
+        raise_if_any_rank_failed(error, f"collecting step {step}'s sharded state")
         try:  # collective: every rank reached it (no rank failed above)
-            pending._write = save_sharded(pending.staging, model, optimizer, background)
+            pending._write = save_sharded(pending.staging, state, background)
         except Exception as exc:
             error = exc
         raise_if_any_rank_failed(error, f"writing step {step} under {pending.staging}")

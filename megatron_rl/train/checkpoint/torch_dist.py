@@ -170,11 +170,27 @@ def _sharded_state(model, optimizer, is_loading: bool) -> tuple[dict, dict, list
     return model_state, inner_states, flat
 
 
-def save_sharded(folder: str, model, optimizer, background: bool = False):
-    """Collective: write the model's and optimizer's sharded state into ``folder`` (which exists).
+def sharded_save_state(model, optimizer) -> dict:
+    """What `save_sharded` writes: the model's and optimizer's sharded state, the non-tensor
+    optimizer state merged over the inner optimizers (their parameter groups keyed by megatron's
+    group identifiers) into megatron's common state.
 
-    Non-tensor optimizer state is merged over the inner optimizers (their parameter groups keyed
-    by megatron's group identifiers) and written once with megatron's common state.
+    Built apart from the write so that a rank failing here (megatron's checks of its own
+    optimizer state) can stop every rank (`raise_if_any_rank_failed`) before the write's
+    global collectives, which the others would otherwise wait in forever. Megatron's
+    optimizer may run collectives of its own process groups here.
+    """
+    _, inner_states, flat = _sharded_state(model, optimizer, is_loading=False)
+    common: dict = {"param_groups": {}}
+    for state in inner_states:
+        part = _non_tensor_state(state)
+        common["param_groups"].update(part.pop("param_groups"))
+        common.update(part)
+    return {"tensors": flat, _COMMON_KEY: common}
+
+
+def save_sharded(folder: str, state: dict, background: bool = False):
+    """Collective: write ``state`` (`sharded_save_state`) into ``folder`` (which exists).
 
     Returns:
         None once the files are written; with ``background=True`` a `BackgroundWrite` whose
@@ -183,15 +199,9 @@ def save_sharded(folder: str, model, optimizer, background: bool = False):
     """
     dist_checkpointing = _megatron_dist_checkpointing()
     results_queue_dies_with_us()
-    _, inner_states, flat = _sharded_state(model, optimizer, is_loading=False)
-    common: dict = {"param_groups": {}}
-    for state in inner_states:
-        part = _non_tensor_state(state)
-        common["param_groups"].update(part.pop("param_groups"))
-        common.update(part)
     with forks_die_with_parent():  # the writer processes (see `async_write`)
         request = dist_checkpointing.save(
-            {"tensors": flat, _COMMON_KEY: common},
+            state,
             folder,
             sharded_strategy=("torch_dist", 1),
             async_sharded_save=background,
