@@ -4,6 +4,8 @@
 #   make sglang-env  the real SGLang server + router in .venv-sglang/ (make test does it)
 #   make test-fast  lint + every test not marked slow (the inner loop, under 2 minutes)
 #   make test-kernel-paths  the hardware-sensitive tests on torch's and MKL's AVX2 kernels
+#   make rehearsal  every node of the 30B launcher, its colocated variant and GLM-4.5's, run for
+#                   real on this machine (tools/rehearse_launchers.py; part of make test)
 #   make wheel-check  the wheel lane (.ci/wheel): sdist + wheel, installed into a fresh venv
 #                     outside the checkout, `megatron-rl` train / plan / convert run from there
 # Both create .venv/ inside the checkout on first use; torch stays on the 2.13.0 CPU build.
@@ -13,7 +15,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: main report test test-fast test-kernel-paths lint bench clean sglang-env wheel-check
+.PHONY: main report test test-fast test-kernel-paths lint bench clean sglang-env wheel-check rehearsal
 
 $(STAMP): setup.py constraints-cpu.txt megatron_rl/kernels/grouped_gemm_cpu.cpp
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +67,10 @@ test-kernel-paths: $(STAMP) $(SGLANG_STAMP)
 
 test-fast: lint
 	$(PY) -m pytest -n 2 --dist loadgroup -q -m "not slow"
+
+rehearsal: $(STAMP) $(SGLANG_STAMP)
+	for launcher in 30b 30b-colocated glm-4.5; do \
+		$(PY) tools/rehearse_launchers.py --launcher $$launcher || exit 1; done
 
 bench: $(STAMP)
 	$(PY) -m megatron_rl.cli bench losses

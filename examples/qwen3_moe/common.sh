@@ -13,6 +13,12 @@
 #   (async_args); OPTIMIZER_CPU_OFFLOAD=1 and OPTIMIZER_OFFLOAD_FRACTION (the Adam state in host
 #   memory, where the model file makes it optional); ASYNC_SAVE=1 (torch_dist checkpoints only);
 #   DRY_RUN=1 prints the commands of this node instead of running them.
+# Overrides of the model file's shape, for other clusters and for the one-machine rehearsal
+# (tools/rehearse_launchers.py): GPUS_PER_NODE; TRAIN_PARALLEL (replaces the model file's
+# PARALLEL_ARGS, e.g. "--tensor-model-parallel-size 1 --expert-model-parallel-size 2");
+# SERVER_TP, SERVER_EP, SERVER_MEM_FRACTION; SERVER_BIND_HOST (the address the servers listen on,
+# 0.0.0.0); TRAIN_EXTRA_ARGS (trainer flags appended last, so they win over everything before);
+# SGLANG_EXTRA_ARGS (flags for every SGLang server, through serve's --sglang-args).
 source "$(dirname "${BASH_SOURCE[0]}")/nodes.sh"
 
 dry_run() { [[ "${DRY_RUN:-0}" == 1 ]]; }
@@ -105,6 +111,7 @@ rl_job_args() {
   local arm=${RECIPE:+${RECIPE}-}${ARM:-${LOSS}-${REPLAY}}
   RUN_DIR=${RUN_DIR:-runs/${RUN_NAME:-${MODEL_NAME}}-${arm}-N${STALENESS}}
   init_launch
+  if [[ -n "${TRAIN_PARALLEL:-}" ]]; then PARALLEL_ARGS=(${TRAIN_PARALLEL}); fi
   local prompts=64 samples=8 host server_hosts=("${ROLLOUT_HOSTS[@]}")
   local rollout=(--rollout-engine sglang --weight-sync-transport distributed)
   if [[ "${COLOCATE:-0}" == 1 ]]; then
@@ -164,22 +171,25 @@ rl_job_args() {
     -m megatron_rl.train
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${rollout[@]}" "${rl[@]}"
     "${optim[@]}" "${data[@]}" "${output[@]}" "${ASYNC_ARGS[@]}" "${RECIPE_ARGS[@]}"
+    ${TRAIN_EXTRA_ARGS:-}
   )
   # one SGLang server per node on all of its GPUs (megatron_rl.rollout.serve), on SERVER_CKPT
   # where the model file sets one (DeepSeek-V3: the block-FP8 release), else on HF_CKPT
   SERVE_ARGS=(
-    --model-path "${SERVER_CKPT:-${HF_CKPT}}" --host 0.0.0.0 --base-port "${SGLANG_PORT}"
+    --model-path "${SERVER_CKPT:-${HF_CKPT}}" --host "${SERVER_BIND_HOST:-0.0.0.0}" --base-port "${SGLANG_PORT}"
     --num-servers 1 --tp-size "${SERVER_TP}" --ep-size "${SERVER_EP}"
     --mem-fraction-static "${SERVER_MEM_FRACTION}"
   )
   # SGLang's own interpreter on every serving node, colocated or not: sglang 0.5.23 pins torch
   # and transformers versions the trainer's environment does not hold
   if [[ -n "${SGLANG_PYTHON:-}" ]]; then SERVE_ARGS+=(--python "${SGLANG_PYTHON}"); fi
+  if [[ -n "${SGLANG_EXTRA_ARGS:-}" ]]; then SERVE_ARGS+=(--sglang-args "${SGLANG_EXTRA_ARGS}"); fi
   if [[ "${COLOCATE:-0}" == 1 ]]; then
     # released and resumed by the trainer, CUDA graphs included; output in the node's log
     SERVE_ARGS+=(--memory-saver --health-timeout "${SERVER_WAIT_S:-900}")
   else
-    SERVE_ARGS+=(--log-dir "${RUN_DIR}")
+    # a folder per node: every serving node numbers its servers' logs from sglang_0.log
+    SERVE_ARGS+=(--log-dir "${RUN_DIR}/logs/node${NODE_RANK}")
   fi
   if [[ "${REPLAY}" == r3 ]]; then SERVE_ARGS+=(--routed-experts); fi
 }

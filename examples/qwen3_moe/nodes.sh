@@ -223,11 +223,14 @@ slurm_entry() {
 # Start serve in the background and wait until it reports its server healthy; 1 if it exits
 # first (its server died, or did not answer /health within its --health-timeout).
 start_server() {
-  local log="${RUN_DIR}/sglang-node${NODE_RANK}.log"
+  local log="${RUN_DIR}/sglang-node${NODE_RANK}.log" first=1
   mkdir -p "${RUN_DIR}"
-  setsid python -m megatron_rl.rollout.serve "${SERVE_ARGS[@]}" > "${log}" 2>&1 &
+  # appended: a resumed launch keeps the log of the run it resumes (the server's side of a
+  # crash); only this launch's lines (from line `first`) count
+  if [[ -f "${log}" ]]; then first=$(( $(wc -l < "${log}") + 1 )); fi
+  setsid python -m megatron_rl.rollout.serve "${SERVE_ARGS[@]}" >> "${log}" 2>&1 &
   SERVER_PID=$!
-  until grep -q '^URL ' "${log}"; do
+  until tail -n "+${first}" "${log}" | grep -q '^URL '; do
     if ! kill -0 "${SERVER_PID}" 2>/dev/null; then
       echo "error: node ${NODE_RANK}'s SGLang server exited before answering /health; see ${log}" >&2
       stop_server  # what is left of its group

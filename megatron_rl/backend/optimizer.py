@@ -181,9 +181,7 @@ class PolicyOptimizer:
         logger.info(
             "optimizer: megatron %s Adam%s",
             "distributed" if sharded_buffers else "non-distributed",
-            f", {config.offload_fraction:.0%} of its state on the CPU"
-            if config.offloads
-            else "",
+            f", {config.offload_fraction:.0%} of its state on the CPU" if config.offloads else "",
         )
 
     @staticmethod

@@ -18,7 +18,8 @@ resumes: SGLang's ``--enable-memory-saver``, ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`
 ``cuda_graph`` tag frees the CUDA graphs' memory too (without it the tag frees nothing), and
 ``--disable-prefill-cuda-graph``, since SGLang's breakable prefill graph backend (its default on
 CUDA) refuses the memory saver's graph pool. ``--python`` names the servers' interpreter (default:
-this one).
+this one); ``--sglang-args "..."`` adds flags to every server's ``sglang.launch_server`` command
+(the one-machine rehearsal runs SGLang's CPU engine this way).
 
 ``--heartbeat-file PATH`` ties the servers to a training job on other nodes: the job rewrites PATH
 (on a filesystem every node sees) every few seconds and removes it when it ends. The servers are
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import signal
 import sys
 import threading
@@ -120,6 +122,7 @@ def _plan(args) -> list[tuple[list[str], dict, str, str]]:
     """As `build_plan`, with the output label of each url (``URL`` or ``ROUTER_URL``)."""
     plan = []
     urls = []
+    extra = shlex.split(args.sglang_args)
     for i in range(args.num_servers):
         config = SGLangServerConfig(
             model_path=args.model_path,
@@ -129,7 +132,7 @@ def _plan(args) -> list[tuple[list[str], dict, str, str]]:
             ep_size=args.ep_size,
             mem_fraction_static=args.mem_fraction_static,
             return_routed_experts=args.routed_experts,
-            extra_args=MEMORY_SAVER_ARGS if args.memory_saver else (),
+            extra_args=(*(MEMORY_SAVER_ARGS if args.memory_saver else ()), *extra),
         )
         gpus = range(i * args.gpus_per_server, (i + 1) * args.gpus_per_server)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
@@ -161,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         help="colocated servers: SGLang's memory saver, CUDA graphs included (see above)",
     )
     parser.add_argument("--python", default=sys.executable, help="the servers' interpreter")
+    parser.add_argument(
+        "--sglang-args",
+        default="",
+        help="more flags for every server's sglang.launch_server, one shell-quoted string "
+        '(e.g. "--device cpu --attention-backend torch_native")',
+    )
     parser.add_argument("--health-timeout", type=float, default=900.0)
     parser.add_argument(
         "--health-probe-timeout",
@@ -233,6 +242,8 @@ def _serve(plan, args) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
     processes = []
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     try:
         for i, (cmd, env, url, label) in enumerate(plan):
             log = f"{args.log_dir}/sglang_{i}.log" if args.log_dir else None

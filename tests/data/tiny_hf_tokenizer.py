@@ -15,9 +15,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_tiny_tokenizer(folder: Path, *, chat_template: str | None = CHAT_TEMPLATE) -> Path:
-    """Write a ``PreTrainedTokenizerFast`` (vocabulary SPECIALS + WORDS) to ``folder``."""
-    vocab = {token: index for index, token in enumerate(SPECIALS + WORDS)}
+def save_tiny_tokenizer(
+    folder: Path, *, chat_template: str | None = CHAT_TEMPLATE, words: list[str] = WORDS
+) -> Path:
+    """Write a ``PreTrainedTokenizerFast`` (vocabulary SPECIALS + ``words``) to ``folder``."""
+    vocab = {token: index for index, token in enumerate(SPECIALS + words)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]

@@ -82,6 +82,23 @@ CASES: dict[str, tuple[str, str, int, dict]] = {
     "30b_node3_r3": _run(RUN_30B, 3, REPLAY="r3"),
     # a serving node runs SGLang with its own interpreter (sglang pins torch / transformers)
     "30b_node2_sglang_python": _run(RUN_30B, 2, SGLANG_PYTHON="/opt/sglang/bin/python"),
+    # the shape overrides (the one-machine rehearsal's): layout, GPUs, server shape and flags
+    "30b_node0_shape_overrides": _run(
+        RUN_30B,
+        0,
+        GPUS_PER_NODE="1",
+        TRAIN_PARALLEL="--expert-model-parallel-size 2",
+        TRAIN_EXTRA_ARGS="--device cpu --train-iters 6",
+    ),
+    "30b_node3_shape_overrides": _run(
+        RUN_30B,
+        3,
+        SERVER_TP="1",
+        SERVER_EP="1",
+        SERVER_MEM_FRACTION="0.05",
+        SERVER_BIND_HOST="127.0.0.3",
+        SGLANG_EXTRA_ARGS="--device cpu --grammar-backend none",
+    ),
     "30b_node0_epic_r3_n4": _run(RUN_30B, 0, LOSS="epic", REPLAY="r3", STALENESS="4"),
     "30b_node0_gspo": _run(RUN_30B, 0, LOSS="gspo"),
     "30b_node0_gspo_token_r2": _run(RUN_30B, 0, LOSS="gspo_token", REPLAY="r2"),

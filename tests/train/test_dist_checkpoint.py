@@ -258,7 +258,9 @@ def test_a_rank_failing_to_collect_its_sharded_state_stops_every_rank_instead_of
 
     spawn_ranks(_one_rank_fails_collecting_worker, tmp_path, 2)
     assert (tmp_path / "rank1.txt").read_text() == "AssertionError: rank 1: no optimizer state"
-    assert (tmp_path / "rank0.txt").read_text().startswith(
-        "RuntimeError: another rank failed while collecting step 1's sharded state"
+    assert (
+        (tmp_path / "rank0.txt")
+        .read_text()
+        .startswith("RuntimeError: another rank failed while collecting step 1's sharded state")
     )
     assert latest_step(str(tmp_path / "ckpt")) is None  # nothing committed

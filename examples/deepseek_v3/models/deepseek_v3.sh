@@ -37,7 +37,7 @@ MODEL_ARGS=(
 #   TRAIN_NODES=8 (the 128-GPU job, 64 train): EP8 DP1, Adam in host memory:
 #     95.0 GiB on stage 1, fits 141; without the offload 224.9 GiB, which does not; 173 GiB of
 #     host memory per GPU (1.4 TiB per node)
-GPUS_PER_NODE=8
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 case "${TRAIN_NODES}" in
   16) EXPERT_PARALLEL=16 OPTIMIZER_OFFLOAD=opt-in ;;
   8) EXPERT_PARALLEL=8 OPTIMIZER_OFFLOAD=always ;;
@@ -56,6 +56,6 @@ PARALLEL_ARGS=(
 CKPT_FORMAT=torch_dist
 
 # One SGLang server per serving node on the FP8 release: TP 8 / EP 8, 85% static.
-SERVER_TP=8
-SERVER_EP=8
-SERVER_MEM_FRACTION=0.85
+SERVER_TP=${SERVER_TP:-8}
+SERVER_EP=${SERVER_EP:-8}
+SERVER_MEM_FRACTION=${SERVER_MEM_FRACTION:-0.85}

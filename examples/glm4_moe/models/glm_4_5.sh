@@ -26,7 +26,7 @@ MODEL_ARGS=(
 #   TRAIN_NODES=4 (the 64-GPU job, 32 train): EP8 DP1, Adam in host memory:
 #     92.5 GiB on stage 3, fits 141; without the offload 220.2 GiB, which does not; 170 GiB of
 #     host memory per GPU (1.4 TiB per node)
-GPUS_PER_NODE=8
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 case "${TRAIN_NODES}" in
   8) EXPERT_PARALLEL=16 OPTIMIZER_OFFLOAD=opt-in ;;
   4) EXPERT_PARALLEL=8 OPTIMIZER_OFFLOAD=always ;;
@@ -43,7 +43,7 @@ CKPT_FORMAT=torch_dist
 
 # One SGLang server per serving node on HF_CKPT: 355B bf16 parameters are 82 GiB of each GPU's
 # 141 at TP 8, so SGLang gets 85% static (about 37 GiB of KV cache per GPU).
-SERVER_TP=8
-SERVER_EP=8
-SERVER_MEM_FRACTION=0.85
+SERVER_TP=${SERVER_TP:-8}
+SERVER_EP=${SERVER_EP:-8}
+SERVER_MEM_FRACTION=${SERVER_MEM_FRACTION:-0.85}
 SERVER_CKPT=${HF_CKPT}

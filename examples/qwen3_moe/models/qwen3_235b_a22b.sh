@@ -18,7 +18,7 @@ MODEL_ARGS=(
 # 23/24/24/23: the first and last stages carry the embedding / the output layer and its logits.
 # No context parallelism: the trainer refuses it (its attention needs Transformer Engine), and at
 # 18k-token micro-batches the activations are small next to the expert weights and gradients.
-GPUS_PER_NODE=8
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 4
   --sequence-parallel
@@ -36,9 +36,9 @@ CKPT_FORMAT=torch_dist
 
 # One SGLang server per serving node holds the whole model: 235B bf16 parameters are 54.7 GiB of
 # each GPU's 80 at TP 8, so SGLang gets 85% static (about 12 GiB of KV cache per GPU).
-SERVER_TP=8
-SERVER_EP=8
-SERVER_MEM_FRACTION=0.85
+SERVER_TP=${SERVER_TP:-8}
+SERVER_EP=${SERVER_EP:-8}
+SERVER_MEM_FRACTION=${SERVER_MEM_FRACTION:-0.85}
 
 # ---------------------------------------------------------------------------- memory plan
 # Per GPU, from tools/memory_plan.py (bf16, full recompute, micro-batches of one 2,048 + 16,384

@@ -13,7 +13,7 @@ MODEL_ARGS=(
 
 # 8 GPUs per node; per trainer node: tensor parallel 2 (+ sequence parallel), expert parallel 8
 # (data parallel: the rest, 8 on the disaggregated launcher's 16 GPUs).
-GPUS_PER_NODE=8
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 2
   --sequence-parallel
@@ -24,6 +24,6 @@ OPTIMIZER_OFFLOAD=opt-in
 CKPT_FORMAT=
 
 # one SGLang server per serving node: TP 8 / EP 8, 70% of each GPU static (weights + KV cache)
-SERVER_TP=8
-SERVER_EP=8
-SERVER_MEM_FRACTION=0.7
+SERVER_TP=${SERVER_TP:-8}
+SERVER_EP=${SERVER_EP:-8}
+SERVER_MEM_FRACTION=${SERVER_MEM_FRACTION:-0.7}
