@@ -27,7 +27,14 @@ rehearse_launchers = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = rehearse_launchers  # its dataclasses look their module up there
 spec.loader.exec_module(rehearse_launchers)
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.real_sglang]
+# one rehearsal at a time (one xdist worker): two at once put 6-8 ranks and 3-4 servers on two
+# cores, where a loaded server's /server_info outlasted the trainer's 30-s control timeout
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.distributed,
+    pytest.mark.real_sglang,
+    pytest.mark.xdist_group("launcher_rehearsal"),
+]
 STEPS, SAVE_INTERVAL = 5, 3
 
 
