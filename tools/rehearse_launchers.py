@@ -297,6 +297,9 @@ class Rehearsal:
             # steps large enough that a server left on older weights shows in the train/rollout
             # log-prob gap (at the launcher's 1e-6 the weights barely move in six steps)
             "--lr", "1e-2",
+            # several ranks and servers share two cores: a server's /server_info answer can
+            # outlast the 30-s default while the others start
+            "--sglang-health-timeout", "120",
         ]  # fmt: skip
         base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         self.env = {

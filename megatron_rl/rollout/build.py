@@ -63,6 +63,7 @@ def build_engine(config: EngineConfig, hf_config, pad_token_id: int, seed: int):
         http=HttpPoolConfig(
             urls=config.sglang_url,
             request_timeout_s=config.sglang_request_timeout,
+            health_timeout_s=config.sglang_health_timeout,
             liveness_interval_s=config.sglang_liveness_interval,
         ),
         routing_codec=config.routing_dtype,

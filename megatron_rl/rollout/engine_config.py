@@ -10,6 +10,7 @@ from megatron_rl.rollout.types import BF16_MATMULS
 from megatron_rl.routing.codec import CODECS
 
 ENGINES = ("local", "sglang")
+SGLANG_HEALTH_CHECK_S = 20.0  # SGLang's /health waits this long before a 503 (its default)
 WEIGHT_SYNC_TRANSPORTS = ("distributed", "tensor", "disk")
 SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")  # /pause_generation's mode
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float8")  # the in-process engine's (float8: FP8 serving)
@@ -82,6 +83,11 @@ class EngineConfig:
         None,
         help="read timeout (s) of one SGLang request; default none (a timed-out request is "
         "aborted and retried elsewhere, the server is not marked down)",
+    )
+    sglang_health_timeout: float = option(
+        30.0,
+        help="seconds one /health probe or one /server_info or /model_info answer may take "
+        "(more than SGLang's own 20-s health check); raise it for servers on a loaded host",
     )
     sglang_startup_timeout: float = option(
         3600.0,
@@ -167,6 +173,10 @@ class EngineConfig:
         self._check_sglang_only()
         if not (math.isfinite(self.weight_sync_min_gbps) and self.weight_sync_min_gbps > 0):
             raise bad_value(self, "weight_sync_min_gbps", "must be a number > 0 (GB/s)")
+        if not self.sglang_health_timeout > SGLANG_HEALTH_CHECK_S:
+            raise bad_value(
+                self, "sglang_health_timeout", f"must be > {SGLANG_HEALTH_CHECK_S:g} seconds"
+            )
         if not self.sglang_startup_timeout > 0:
             raise bad_value(self, "sglang_startup_timeout", "must be > 0 seconds")
         if self.sglang_request_timeout is not None and not self.sglang_request_timeout > 0:

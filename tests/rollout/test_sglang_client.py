@@ -464,3 +464,19 @@ def test_client_config_reads_every_family_s_expert_count(preset, experts, patter
     assert config.num_experts == experts
     if pattern is not None:
         assert config.layer_pattern == pattern
+
+
+def test_the_health_timeout_flag_reaches_the_pool_and_is_checked():
+    """``--sglang-health-timeout`` bounds every /health probe and /server_info answer (in the
+    launcher rehearsal a loaded server answered /server_info after more than the 30-s
+    default); it must exceed SGLang's own 20-s health check."""
+    from megatron_rl.rollout.build import build_engine
+    from megatron_rl.train.config import parse_args
+
+    argv = ["--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:1"]
+    assert parse_args(argv).engine.sglang_health_timeout == 30.0
+    config = parse_args([*argv, "--sglang-health-timeout", "120"]).engine
+    with build_engine(config, tiny_config(), pad_token_id=0, seed=0) as engine:
+        assert engine.workers.config.health_timeout_s == 120.0
+    with pytest.raises(ValueError, match=r"--sglang-health-timeout=5\.0: must be > 20 seconds"):
+        parse_args([*argv, "--sglang-health-timeout", "5"])
