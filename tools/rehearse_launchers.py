@@ -80,6 +80,33 @@ TINY_OVERRIDES = {  # GLM: one dense layer, so that each of two pipeline stages 
     # backend: megatron's native-Adam state_dict asserts one step count over an empty state)
     "glm4_moe": {"first_k_dense_replace": 1},
 }
+LAUNCH_KNOBS = frozenset(  # the launchers' variables (common.sh, nodes.sh), set here or unset
+    [
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "ROLLOUT_HOSTS",
+        "NODE_HOSTS",
+        "LAUNCH_ID",
+        "NUM_NODES",
+        "TRAIN_NODES",
+        "RUN_NAME",
+        "DRY_RUN",
+        "RECIPE",
+        "ARM",
+        "EVAL_DATA",
+        "ASYNC",
+        "PARTIAL",
+        "CARRY_OVER",
+        "CARRY_OVER_ROUND_TOKENS",
+        "MASK_STALE",
+        "KL_COEF",
+        "OPTIMIZER_CPU_OFFLOAD",
+        "ASYNC_SAVE",
+        "MEM_FRACTION",
+        "SERVER_WAIT_S",
+    ]
+)
 NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3")  # one loopback address per node that serves
 MEMORY_SAVER_STAND_IN = ROOT / "tests" / "real_sglang" / "memory_saver"
 GAP_LIMIT = 0.02
@@ -301,7 +328,11 @@ class Rehearsal:
             # outlast the 30-s default while the others start
             "--sglang-health-timeout", "120",
         ]  # fmt: skip
-        base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        base = {  # a node's environment: nothing of a launch this process may have been given
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SLURM_") and k not in LAUNCH_KNOBS
+        }
         self.env = {
             **base,
             "PATH": f"{Path(sys.executable).parent}:{base.get('PATH', '')}",
