@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_rl import stop_signal
 from megatron_rl.backend.cpu import select_device
 from megatron_rl.parallel import ParallelConfig
 
@@ -50,20 +51,24 @@ def init_distributed(
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     parallel.check_world_size(world_size)
     compute_device = select_device(device)
-    if not dist.is_initialized():
-        if init_method is None:
-            init_method = "env://" if "MASTER_ADDR" in os.environ else "tcp://127.0.0.1:0"
-        backend = "nccl" if compute_device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend=backend, init_method=init_method, rank=rank, world_size=world_size
+    # a rank whose peers are late waits here in C: a stop signal ends it (stop_signal.hard_wait)
+    with stop_signal.hard_wait(f"waiting for the rendezvous of {world_size} ranks (rank {rank})"):
+        if not dist.is_initialized():
+            if init_method is None:
+                init_method = "env://" if "MASTER_ADDR" in os.environ else "tcp://127.0.0.1:0"
+            backend = "nccl" if compute_device.type == "cuda" else "gloo"
+            if world_size > 1:
+                logger.info("rank %d: joining %d ranks (%s)", rank, world_size, init_method)
+            dist.init_process_group(
+                backend=backend, init_method=init_method, rank=rank, world_size=world_size
+            )
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tensor_parallel,
+            pipeline_model_parallel_size=parallel.pipeline_parallel,
+            context_parallel_size=parallel.context_parallel,
+            expert_model_parallel_size=parallel.expert_parallel,
+            expert_tensor_parallel_size=parallel.expert_tensor_parallel,
         )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor_parallel,
-        pipeline_model_parallel_size=parallel.pipeline_parallel,
-        context_parallel_size=parallel.context_parallel,
-        expert_model_parallel_size=parallel.expert_parallel,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel,
-    )
     # The CPU generator too: megatron initialises some weights on the CPU (the MoE routers) and
     # its model-parallel seeding only reaches the CUDA generators on a GPU; without this two
     # fresh processes of one run would build different routers (megatron-LM's _set_random_seed

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron_rl.train.run_logger").setLevel(logging.INFO)
     # the wait for the SGLang servers says what it waits for from its first progress line
     logging.getLogger("megatron_rl.rollout.sglang_client").setLevel(logging.INFO)
+    # so does a rank's wait for its peers (the rendezvous), and its end
+    logging.getLogger("megatron_rl.backend.distributed").setLevel(logging.INFO)
     try:
         config = parse_args(argv)
     except ValueError as err:

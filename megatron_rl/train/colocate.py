@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_rl import stop_signal
 from megatron_rl.collectives import max_over_ranks
 from megatron_rl.rollout.memory_occupation import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS
 from megatron_rl.train.offload import TrainerOffload
@@ -167,7 +168,8 @@ class Colocation:
 
     def _barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.barrier(group=self.group)
+            with stop_signal.hard_wait("waiting for every rank at a --colocate hand-over"):
+                dist.barrier(group=self.group)
 
 
 def release_generation_memory(engine=None, group=None, device=None) -> int | None:

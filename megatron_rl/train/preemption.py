@@ -6,6 +6,10 @@ take minutes). The handler only sets a flag; the trainer polls `PreemptionHandle
 the rollout and before every optimizer step (see `Trainer.step`), and the run loop once more at
 the step boundary. ``agreed`` all-reduces the flag (MAX) so that every rank stops at the same
 point even when the signal reached only some of them.
+
+The handler also arms `megatron_rl.stop_signal`'s watchdog: in a wait that only C code can end
+(`stop_signal.hard_wait`: the process groups' rendezvous, the wait for rank 0's weight push) a
+stop signal ends the process within a second instead of at the wait's timeout.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class PreemptionHandler:
         self._requested = False
         self._received: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
+        self._watchdog: stop_signal.Watchdog | None = None
 
     @property
     def requested(self) -> bool:
@@ -65,7 +70,7 @@ class PreemptionHandler:
         # Only set flags: logging from a signal handler can re-enter a held handler lock.
         self._received = signal.Signals(signum)
         self._requested = True
-        stop_signal.request()  # the waits outside the training loop poll this one
+        stop_signal.request(signum)  # the waits outside the training loop poll this one
 
     def __enter__(self) -> PreemptionHandler:
         stop_signal.clear()
@@ -74,9 +79,13 @@ class PreemptionHandler:
             return self
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        self._watchdog = stop_signal.Watchdog.arm(self.signals)  # serves stop_signal.hard_wait
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._watchdog is not None:  # first: its thread can no longer request a stop
+            self._watchdog.disarm()
+            self._watchdog = None
         stop_signal.clear()  # served: a later wait in this process starts clean
         for sig, previous in self._previous.items():
             # None: the old handler was not installed from Python; the default is the best guess.

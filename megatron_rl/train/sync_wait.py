@@ -17,6 +17,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from megatron_rl import stop_signal
 from megatron_rl.collectives import broadcast_object
 
 SLACK_S = 300.0  # control calls, pause/flush/version checks, a stage's own gathers
@@ -55,8 +56,10 @@ class SyncWait:
             self.group = dist.new_group(timeout=datetime.timedelta(seconds=self.timeout_s))
 
     def share(self, obj):
-        """Rank 0's ``obj`` on every rank, waiting at most ``timeout_s`` for it."""
-        return broadcast_object(obj, src=0, group=self.group)
+        """Rank 0's ``obj`` on every rank, waiting at most ``timeout_s`` for it; a stop signal
+        ends the wait (and the process) within a second (`stop_signal.hard_wait`)."""
+        with stop_signal.hard_wait("waiting for rank 0's weight push"):
+            return broadcast_object(obj, src=0, group=self.group)
 
 
 def remote_sync_timeout_s(config, hf_config) -> float | None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron_rl import stop_signal
 from megatron_rl.backend import destroy_distributed, init_distributed
 from megatron_rl.backend.optimizer_config import step_lr
 from megatron_rl.collectives import (
@@ -352,15 +353,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
     def sync_weights(self, version: int) -> None:
-        """Push the policy to the engine as weight ``version`` (every rank streams its shard)."""
-        self.publisher.publish(version)
-        self.weight_version = version
-        # remote server membership (dead servers are dropped, the run goes on): rank 0's
-        # numbers on every rank, so every rank reports the same metric keys
-        self.sync_metrics: dict[str, float] = {}
-        if self.sync_wait is not None:
-            membership = self.engine.membership_metrics() if self.pushes_weights else None
-            self.sync_metrics = dict(self.sync_wait.share(membership) or {})
+        """Push the policy to the engine as weight ``version`` (every rank streams its shard).
+
+        A stop signal during the sync ends the process at once (`stop_signal.hard_wait`): the
+        other ranks wait in C for rank 0's push, which can take minutes."""
+        with stop_signal.hard_wait(f"syncing weight version {version}"):
+            self.publisher.publish(version)
+            self.weight_version = version
+            # remote server membership (dead servers are dropped, the run goes on): rank 0's
+            # numbers on every rank, so every rank reports the same metric keys
+            self.sync_metrics: dict[str, float] = {}
+            if self.sync_wait is not None:
+                membership = self.engine.membership_metrics() if self.pushes_weights else None
+                self.sync_metrics = dict(self.sync_wait.share(membership) or {})
 
     def state_dict(self) -> dict:
         """The JSON state of a checkpoint (a collective with ``--carry-over-groups``: every

@@ -88,41 +88,69 @@ def test_stop_requested_on_one_rank_is_agreed_by_all(tmp_path):
         assert (tmp_path / f"agreed{rank}.txt").read_text() == "False True True"
 
 
-@pytest.mark.slow
-def test_the_cli_waiting_for_servers_that_never_come_up_stops_within_seconds_of_sigterm(tmp_path):
-    """SLURM preemption, a launcher's trap and ``timeout`` stop a run with SIGTERM; a trainer
-    still waiting for its SGLang servers to load must not sit out --sglang-startup-timeout. Its
-    log says what it waits for from the first failed probe. (Port 9, discard: nothing answers.)"""
+def _sigterm_the_cli_once_it_logs(flags: list[str], marker: str, env: dict, settle_s: float = 0.0):
+    """Run ``python -m megatron_rl.train`` with ``flags``; once its log shows ``marker`` (and
+    ``settle_s`` later) send SIGTERM. Returns (exit code, seconds from the signal to the exit,
+    the log after the marker). A child that never logs the marker fails, not hangs."""
     import subprocess
     import sys
     import time
     from pathlib import Path
 
-    command = [
-        sys.executable, "-m", "megatron_rl.train", "--device", "cpu", "--rollout-engine",
-        "sglang", "--sglang-url", "http://127.0.0.1:9", "--sglang-startup-timeout", "600",
-        "--run-dir", str(tmp_path / "run"), "--train-iters", "1",
-    ]  # fmt: skip
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     child = subprocess.Popen(
-        command, cwd=root, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        [sys.executable, "-m", "megatron_rl.train", "--device", "cpu", *flags],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
     )
-    deadline = threading.Timer(90, child.kill)  # a wait that never logs fails, not hangs
+    deadline = threading.Timer(120, child.kill)
     deadline.start()
     try:
         lines = []
-        for line in child.stderr:  # the first progress line comes at the first failed probe
+        for line in child.stderr:
             lines.append(line)
-            if "waiting for SGLang servers" in line:
+            if marker in line:
                 break
-        assert any("waiting for SGLang servers" in line for line in lines), "".join(lines)
+        assert any(marker in line for line in lines), "".join(lines)
+        time.sleep(settle_s)
         sent = time.monotonic()
         child.send_signal(signal.SIGTERM)
         rest = child.communicate(timeout=60)[1]
-        waited = time.monotonic() - sent
+        return child.returncode, time.monotonic() - sent, rest
     finally:
         deadline.cancel()
         child.kill()
+
+
+@pytest.mark.slow
+def test_the_cli_waiting_for_servers_that_never_come_up_stops_within_seconds_of_sigterm(tmp_path):
+    """SLURM preemption, a launcher's trap and ``timeout`` stop a run with SIGTERM; a trainer
+    still waiting for its SGLang servers to load must not sit out --sglang-startup-timeout. Its
+    log says what it waits for from the first failed probe. (Port 9, discard: nothing answers.)"""
+    flags = [
+        "--rollout-engine", "sglang", "--sglang-url", "http://127.0.0.1:9",
+        "--sglang-startup-timeout", "600", "--run-dir", str(tmp_path / "run"), "--train-iters", "1",
+    ]  # fmt: skip
+    _, waited, rest = _sigterm_the_cli_once_it_logs(flags, "waiting for SGLang servers", env={})
     assert waited < 10, waited
     assert "stop signal while waiting for SGLang servers" in rest, rest[-2000:]
+
+
+@pytest.mark.slow
+def test_the_cli_waiting_at_the_rendezvous_for_a_rank_that_never_comes_exits_on_sigterm(tmp_path):
+    """Rank 0 of 2 under torchrun's environment, rank 1 never started: it waits in C inside
+    ``init_process_group``, where Python's handler cannot run. SIGTERM ends it ~5 s later (the
+    grace) with 143, not at the store's 30-minute timeout; its log said what it waits for
+    first. MASTER_PORT=0: rank 0 hosts the store on a port the OS picks (no shared port)."""
+    env = {
+        "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+    }  # fmt: skip
+    flags = ["--run-dir", str(tmp_path / "run"), "--train-iters", "1"]
+    code, waited, rest = _sigterm_the_cli_once_it_logs(flags, "joining 2 ranks", env, settle_s=1)
+    assert code == 143, rest[-2000:]
+    assert waited < 15, waited
+    expected = "SIGTERM while waiting for the rendezvous of 2 ranks (rank 0): still waiting"
+    assert expected in rest, rest[-2000:]

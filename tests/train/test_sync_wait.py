@@ -63,3 +63,59 @@ def test_a_push_longer_than_the_default_timeout_is_waited_out(tmp_path):
     spawn_ranks(_wait_worker, tmp_path, 2)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"pushed": True}
+
+
+_STOP_RANK = """
+import datetime, logging, sys, time
+import torch.distributed as dist
+from megatron_rl.train.preemption import PreemptionHandler
+from megatron_rl.train.sync_wait import SyncWait
+logging.basicConfig(level=logging.INFO)
+rank, init_method = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=600))
+with PreemptionHandler():
+    wait = SyncWait(timeout_s=600.0)
+    dist.barrier()
+    print("waiting", flush=True)
+    if rank == 0:
+        time.sleep(300)  # the push, far longer than the test
+    wait.share({"pushed": True} if rank == 0 else None)
+print("shared", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stop_signal_ends_the_wait_for_rank_0s_push_within_seconds(tmp_path):
+    """Rank 1 waits in C (a gloo broadcast) for rank 0's minutes-long push, where Python's
+    handler cannot run. SIGTERM (torchrun forwards it to every worker) ends it within seconds
+    with 143, not at the sync timeout. The file rendezvous binds no port."""
+    import signal
+    import subprocess
+    import sys
+
+    init_method = f"file://{tmp_path}/rendezvous"
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STOP_RANK, str(rank), init_method],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        assert [r.stdout.readline().strip() for r in ranks] == ["waiting", "waiting"]
+        time.sleep(1.0)  # rank 1 is inside the broadcast by now
+        sent = time.monotonic()
+        ranks[1].send_signal(signal.SIGTERM)
+        out, err = ranks[1].communicate(timeout=60)
+        waited = time.monotonic() - sent
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert ranks[1].returncode == 143, err[-2000:]
+    assert waited < 15, waited
+    assert "shared" not in out
+    assert "SIGTERM while waiting for rank 0's weight push: still waiting" in err
