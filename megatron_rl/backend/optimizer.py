@@ -169,6 +169,7 @@ class PolicyOptimizer:
             for sub in self.inner.chained_optimizers
             if isinstance(getattr(sub, "optimizer", None), torch.optim.Optimizer)
         ]
+        self._create_state()
         # the buffer-level norm/clip/finite check (built on the first step) where megatron runs
         # its torch fallbacks, its grads are fp32 buffer views and nothing else sits between
         # its norm and its update; the same choice on every rank
@@ -183,6 +184,22 @@ class PolicyOptimizer:
             "distributed" if sharded_buffers else "non-distributed",
             f", {config.offload_fraction:.0%} of its state on the CPU" if config.offloads else "",
         )
+
+    def _create_state(self) -> None:
+        """Adam's moments from construction, not from the first step: zeros at step 0, what
+        Adam creates lazily, so the first update is unchanged (tested). The first ``--colocate``
+        offload then already holds every byte a later step holds, and its host arena is built
+        once instead of again after step 1. megatron's own ``init_state_fn`` (what its
+        checkpoint loading runs) makes the moments, for torch's Adam and for TE's FusedAdam
+        (``initialize_state``); torch's Adam also keeps a per-parameter step count, set here."""
+        with self._megatron_calls():
+            for sub in self.inner.chained_optimizers:
+                inner, init = getattr(sub, "optimizer", None), getattr(sub, "init_state_fn", None)
+                if inner is None or init is None:
+                    continue
+                init(inner, sub.config)
+                if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+                    _add_step_counts(inner)
 
     @staticmethod
     def _megatron_calls():
@@ -246,6 +263,25 @@ class PolicyOptimizer:
     def state_dict(self) -> dict:
         with self._megatron_calls():
             return self.inner.state_dict()
+
+
+def _add_step_counts(adam: torch.optim.Optimizer) -> None:
+    """torch's Adam/AdamW per-parameter ``step`` (0, as its first step would create it: a
+    float32 scalar, on the parameter's device when fused or capturable) and ``max_exp_avg_sq``
+    under amsgrad, where the moments exist already."""
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in adam.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for param in group["params"]:
+            state = adam.state[param]
+            if "exp_avg" not in state or "step" in state:
+                continue
+            device = param.device if on_device else torch.device("cpu")
+            state["step"] = torch.zeros((), dtype=scalar, device=device)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(
+                    param, memory_format=torch.preserve_format
+                )
 
 
 def _plain_adam_step(config) -> bool:

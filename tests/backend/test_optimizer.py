@@ -104,3 +104,33 @@ def test_cuda_type_names_hold_under_a_default_device():
             assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     finally:
         torch.set_default_device(None)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x['dtype']}_dist{x['distributed']}")
+def test_adams_state_exists_from_construction_and_the_first_update_equals_lazy_adams(ws1, layout):
+    """Zero moments at step 0 from construction (the first --colocate offload holds them); a
+    twin whose state is dropped, so that Adam creates it in its first step as torch does, makes
+    bitwise the same first update."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(0)  # megatron's init forks this generator
+    config, model, optimizer = _tiny(**layout)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    _, twin, twin_optimizer = _tiny(**layout)
+    adams = optimizer._torch_optimizers
+    params = [p for adam in adams for group in adam.param_groups for p in group["params"]]
+    states = [
+        adam.state[p] for adam in adams for group in adam.param_groups for p in group["params"]
+    ]
+    assert len(params) > 0 and all({"exp_avg", "exp_avg_sq", "step"} <= set(s) for s in states)
+    assert all(not s["exp_avg"].any() and not s["exp_avg_sq"].any() for s in states)
+    assert all(float(s["step"]) == 0 for s in states)
+    for adam in twin_optimizer._torch_optimizers:
+        adam.state.clear()
+    for m, o in ((model, optimizer), (twin, twin_optimizer)):
+        o.zero_grad()
+        _backward(m, config.vocab_size)
+    assert optimizer.step() == twin_optimizer.step()
+    ours, theirs = _params(model), _params(twin)
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    assert all(float(s["step"]) == 1 for s in states)

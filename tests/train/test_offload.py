@@ -144,6 +144,22 @@ def test_every_offload_of_a_run_copies_into_one_host_arena_of_the_bytes_it_needs
     assert offload.host_bytes == 0
 
 
+def test_a_fresh_optimizers_first_offload_already_holds_adams_state(ws1):
+    """The first --colocate offload comes before any update (the first rollout): Adam's moments
+    exist from construction, so the arena is built once, not again after step 1."""
+    config, model, optimizer = _tiny(**LAYOUTS[1])
+    offload = TrainerOffload(model, optimizer)
+    offload.offload()
+    offload.onload()
+    first = offload.host_bytes
+    optimizer.zero_grad()
+    _backward(model, config.vocab_size, seed=1)
+    assert optimizer.step() is not None
+    offload.offload()
+    offload.onload()
+    assert offload.host_allocations == 1 and offload.host_bytes == first
+
+
 def test_a_storage_that_changes_size_gets_a_new_arena_and_still_round_trips(ws1):
     model = torch.nn.Linear(8, 4)
     optimizer = torch.optim.AdamW(model.parameters())
