@@ -56,13 +56,22 @@ def route_agreement(engine_TLK: torch.Tensor, trainer_TLK: torch.Tensor) -> torc
 
 
 def gap_stats(trainer_R: torch.Tensor, engine_R: torch.Tensor) -> dict[str, float]:
-    """``{"gap": mean |d|, "k3": mean(e^-d - 1 + d), "tokens"}``, ``d = pi - mu`` (log-probs,
-    clamped to +-20 as the trainer's ``mismatch/train_rollout_*`` metrics are)."""
+    """``{"gap": mean |d|, "k3": mean(e^-d - 1 + d), "q99", "q999": the 99th / 99.9th
+    percentile of |d| (linear interpolation), "tokens"}``, ``d = pi - mu`` (log-probs, clamped
+    to +-20 as the trainer's ``mismatch/train_rollout_*`` metrics are)."""
     d = (trainer_R.double() - engine_R.double()).clamp(-20, 20)
     if d.numel() == 0:
-        return {"gap": float("nan"), "k3": float("nan"), "tokens": 0}
+        nan = float("nan")
+        return {"gap": nan, "k3": nan, "q99": nan, "q999": nan, "tokens": 0}
     k3 = torch.expm1(-d) + d
-    return {"gap": float(d.abs().mean()), "k3": float(k3.mean()), "tokens": int(d.numel())}
+    q99, q999 = torch.quantile(d.abs(), torch.tensor([0.99, 0.999], dtype=torch.float64))
+    return {
+        "gap": float(d.abs().mean()),
+        "k3": float(k3.mean()),
+        "q99": float(q99),
+        "q999": float(q999),
+        "tokens": int(d.numel()),
+    }
 
 
 def bucket_stats(trainer_R, engine_R, positions_R, buckets=BUCKETS) -> dict[str, dict]:
@@ -151,11 +160,16 @@ class TrainerScorer:
         return out
 
 
-def compare_arm(samples, codec, scorer: TrainerScorer) -> dict:
-    """Score an arm's samples with the trainer and `summarize` the comparison."""
-    sequences = [s.prompt_ids_P.tolist() + s.response_ids_R.tolist() for s in samples]
+def sequences_of(samples) -> list[list[int]]:
+    return [s.prompt_ids_P.tolist() + s.response_ids_R.tolist() for s in samples]
+
+
+def compare_arm(samples, codec, scorer: TrainerScorer, scores=None) -> dict:
+    """Score an arm's samples with the trainer (or take its ``scores`` of them) and
+    `summarize` the comparison."""
+    scores = scorer.score(sequences_of(samples)) if scores is None else scores
     agree, pi, mu, pos = [], [], [], []
-    for sample, (logprobs_T, routes_SLK) in zip(samples, scorer.score(sequences), strict=True):
+    for sample, (logprobs_T, routes_SLK) in zip(samples, scores, strict=True):
         if sample.routes is None:
             raise RuntimeError("the engine returned no routed experts")
         num_response = sample.response_ids_R.numel()
@@ -165,6 +179,44 @@ def compare_arm(samples, codec, scorer: TrainerScorer) -> dict:
         mu.append(sample.logprobs_R)
         pos.append(torch.arange(num_response))
     return summarize(torch.cat(agree), torch.cat(pi), torch.cat(mu), torch.cat(pos))
+
+
+def compare_teacher_forced(samples, scores, engine) -> dict:
+    """``engine`` (an `InProcessEngine`) scores another engine's ``samples`` teacher-forced
+    (`InProcessEngine.score`: the same tokens, no sampling of its own); its log-probs of the
+    response tokens against the trainer's ``scores`` of the same samples, as `summarize`
+    reports them without agreement (scoring returns no routes)."""
+    pi, mu, pos = [], [], []
+    for sample, (logprobs_T, _) in zip(samples, scores, strict=True):
+        num_response = sample.response_ids_R.numel()
+        engine_T = engine.score(sample.prompt_ids_P.tolist() + sample.response_ids_R.tolist())
+        pi.append(logprobs_T[-num_response:])
+        mu.append(engine_T[-num_response:])
+        pos.append(torch.arange(num_response))
+    pi_R, mu_R, pos_R = torch.cat(pi), torch.cat(mu), torch.cat(pos)
+    return {
+        "agreement": float("nan"),
+        "agreement_per_layer": [],
+        "token_layers": 0,
+        **gap_stats(pi_R, mu_R),
+        "buckets": bucket_stats(pi_R, mu_R, pos_R),
+    }
+
+
+ACROSS = ("gap", "k3", "q99", "q999", "agreement")
+
+
+def across_draws(draws: list[dict]) -> dict[str, dict]:
+    """Per arm and metric of `ACROSS`: mean, min and max over the draws (each draw a dict of
+    arms), and the tokens of every draw together."""
+    out = {}
+    for name in draws[0]:
+        values = {m: [d[name][m] for d in draws] for m in ACROSS}
+        out[name] = {
+            m: {"mean": sum(v) / len(v), "min": min(v), "max": max(v)} for m, v in values.items()
+        }
+        out[name]["tokens"] = sum(d[name]["tokens"] for d in draws)
+    return out
 
 
 def _port_below_ephemeral(low: int = 20000) -> int:
@@ -247,6 +299,28 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown_across(report: dict) -> str:
+    """The arms over the draws as one table: mean [min, max] of each metric of `ACROSS`."""
+
+    def cell(stat: dict, digits: int) -> str:
+        if math.isnan(stat["mean"]):
+            return "n/a"
+        return f"{stat['mean']:.{digits}f} [{stat['min']:.{digits}f}, {stat['max']:.{digits}f}]"
+
+    head = ["arm", "gap", "k3", "|d| q99", "|d| q99.9", "agreement", "tokens"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, arm in report["across_draws"].items():
+        cells = [name, cell(arm["gap"], 4), cell(arm["k3"], 5), cell(arm["q99"], 3)]
+        cells += [cell(arm["q999"], 3), cell(arm["agreement"], 4), str(arm["tokens"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    note = (
+        f"\nMean [min, max] over {len(report['draws'])} draws (sampling seeds "
+        f"{report['seed']}..{report['seed'] + len(report['draws']) - 1}); d = log pi - log mu on "
+        "the response tokens."
+    )
+    return "\n".join(lines) + "\n" + note + "\n"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--model", required=True, help="HF checkpoint folder of the study's model")
@@ -261,6 +335,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--router-noise-seed", type=int, default=0)
     p.add_argument("--agreement-band", type=float, default=0.01)
     p.add_argument("--gap-factor", type=float, default=1.5)
+    p.add_argument(
+        "--draws", type=int, default=1, help="sampling draws (seeds SEED, SEED+1, ...), each "
+        "compared on its own; the report adds each metric's mean, min and max over them",
+    )  # fmt: skip
+    p.add_argument(
+        "--teacher-force", action="store_true", help="the in-process arms score the sglang "
+        "arm's tokens (the same tokens as the real engine: a paired comparison) instead of "
+        "sampling their own",
+    )  # fmt: skip
     p.add_argument("--out", help="write the report as OUT (json) and OUT's .md beside it")
     return p
 
@@ -269,54 +352,45 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.sglang_url and args.start_sglang:
         raise ValueError("--sglang-url and --start-sglang: give one of them")
-    if not (args.sglang_url or args.start_sglang or args.router_noise):
+    real = bool(args.sglang_url or args.start_sglang)
+    if not (real or args.router_noise):
         raise ValueError("no engine arm: give --sglang-url, --start-sglang or --router-noise")
+    if args.teacher_force and not (real and args.router_noise):
+        raise ValueError(
+            "--teacher-force scores the sglang arm's tokens with the in-process arms: give "
+            "--sglang-url or --start-sglang and --router-noise"
+        )
     if args.agreement_band <= 0 or args.gap_factor <= 1:
         raise ValueError("--agreement-band must be > 0 and --gap-factor > 1")
+    if args.draws < 1:
+        raise ValueError(f"--draws {args.draws}: must be >= 1")
     torch.manual_seed(args.seed)
     from megatron_rl.backend import destroy_distributed
     from megatron_rl.data.addition_trace import AdditionTraceConfig, addition_trace_heldout
-    from megatron_rl.data.addition_trace_tokenizer import EOS_ID
-    from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig, SamplingParams
 
     prompts = [list(r.prompt_ids) for r in addition_trace_heldout(AdditionTraceConfig())]
-    params = SamplingParams(
-        temperature=1.0,
-        max_new_tokens=args.max_new_tokens,
-        stop_token_ids=(EOS_ID,),
-        seed=args.seed,
-    )
     report = {"model": os.path.basename(os.path.normpath(args.model)), "seed": args.seed}
     report.update(prompts=len(prompts), samples=args.samples, arms={})
     scorer = TrainerScorer(args.model, args.seed)
+    process, url = (None, args.sglang_url)
     try:
-        if args.sglang_url or args.start_sglang:
-            process, url = (None, args.sglang_url)
-            if args.start_sglang:
-                process, url = start_sglang(args.model, args.sglang_log)
-            try:
-                with sglang_engine(url, args.model) as engine:
-                    samples = engine.generate(
-                        prompts, params, n=args.samples, return_routed_experts=True
-                    )
-            finally:
-                if process is not None:
-                    from megatron_rl.rollout.launch import stop_process
-
-                    stop_process(process)
-            report["arms"]["sglang bf16"] = compare_arm(samples, engine.codec, scorer)
-        for sigma in args.router_noise:
-            config = InProcessEngineConfig(
-                dtype=args.dtype, router_noise=sigma, router_noise_seed=args.router_noise_seed
-            )
-            engine = InProcessEngine.from_pretrained(args.model, config)
-            samples = engine.generate(prompts, params, n=args.samples, return_routed_experts=True)
-            name = f"inprocess {args.dtype} sigma={sigma:g}"
-            report["arms"][name] = compare_arm(samples, engine.codec, scorer)
+        if args.start_sglang:
+            process, url = start_sglang(args.model, args.sglang_log)
+        draws = [
+            measure_draw(args, prompts, scorer, url, seed=args.seed + k) for k in range(args.draws)
+        ]
     finally:
+        if process is not None:
+            from megatron_rl.rollout.launch import stop_process
+
+            stop_process(process)
         destroy_distributed()
+    report["arms"] = draws[0]
+    if args.draws > 1:
+        report["draws"] = draws
+        report["across_draws"] = across_draws(draws)
     inprocess = {k: v for k, v in report["arms"].items() if k.startswith("inprocess")}
-    if "sglang bf16" in report["arms"] and inprocess:
+    if "sglang bf16" in report["arms"] and inprocess and not args.teacher_force:
         name, met = closest_arm(
             report["arms"]["sglang bf16"], inprocess, args.agreement_band, args.gap_factor
         )
@@ -324,12 +398,45 @@ def main(argv=None) -> int:
             "arm": name, "met": met,
             "agreement_band": args.agreement_band, "gap_factor": args.gap_factor,
         }  # fmt: skip
-    text = markdown(report)
+    text = markdown(report) if args.draws == 1 else markdown_across(report)
     sys.stdout.write(text)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         Path(args.out).with_suffix(".md").write_text(text)
     return 0
+
+
+def measure_draw(args, prompts, scorer: TrainerScorer, url: str | None, seed: int) -> dict:
+    """One draw's arms: the real engine's samples (``url``) and each in-process sigma's, its
+    own samples or, with ``--teacher-force``, its scores of the real engine's samples."""
+    from megatron_rl.data.addition_trace_tokenizer import EOS_ID
+    from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig, SamplingParams
+
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=(EOS_ID,), seed=seed
+    )
+    arms, real_samples, real_scores = {}, None, None
+    if url is not None:
+        with sglang_engine(url, args.model) as engine:
+            real_samples = engine.generate(
+                prompts, params, n=args.samples, return_routed_experts=True
+            )
+        real_scores = scorer.score(sequences_of(real_samples))
+        arms["sglang bf16"] = compare_arm(real_samples, engine.codec, scorer, real_scores)
+    for sigma in args.router_noise:
+        config = InProcessEngineConfig(
+            dtype=args.dtype, router_noise=sigma, router_noise_seed=args.router_noise_seed
+        )
+        engine = InProcessEngine.from_pretrained(args.model, config)
+        name = f"inprocess {args.dtype} sigma={sigma:g}"
+        if args.teacher_force:
+            arms[name + " on sglang's tokens"] = compare_teacher_forced(
+                real_samples, real_scores, engine
+            )
+        else:
+            samples = engine.generate(prompts, params, n=args.samples, return_routed_experts=True)
+            arms[name] = compare_arm(samples, engine.codec, scorer)
+    return arms
 
 
 if __name__ == "__main__":

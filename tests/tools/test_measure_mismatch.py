@@ -1,6 +1,6 @@
-"""tools/measure_mismatch.py: its agreement, gap and bucket functions on exact small inputs, and
-one end-to-end run on the in-process engine (fp32, no noise: the trainer's twin; noise: less
-agreement)."""
+"""tools/measure_mismatch.py: its agreement, gap, tail and bucket functions on exact small inputs,
+the teacher-forced comparison on the real in-process engine, and one end-to-end run on it (fp32,
+no noise: the trainer's twin; noise: less agreement)."""
 
 from __future__ import annotations
 
@@ -42,13 +42,61 @@ def test_gap_and_k3_match_the_trainers_formulas():
     assert stats["k3"] == pytest.approx(sum(math.expm1(-x) + x for x in d) / 3)
 
 
+def test_the_tail_is_the_interpolated_99th_and_999th_percentile_of_the_absolute_gap():
+    d = torch.arange(1001, dtype=torch.float64) / 1000  # |d| = 0, 0.001, ..., 1
+    stats = mm.gap_stats(-d, torch.zeros(1001))
+    assert stats["q99"] == pytest.approx(0.99) and stats["q999"] == pytest.approx(0.999)
+    assert math.isnan(mm.gap_stats(torch.zeros(0), torch.zeros(0))["q999"])
+
+
+def test_across_draws_gives_each_metrics_mean_min_and_max_and_every_draws_tokens():
+    def arm(gap, q999, tokens):
+        return {"gap": gap, "k3": 0.0, "q99": 0.0, "q999": q999, "agreement": 1.0,
+                "tokens": tokens}  # fmt: skip
+
+    draws = [{"a": arm(0.1, 1.0, 10)}, {"a": arm(0.3, 2.0, 20)}, {"a": arm(0.2, 4.0, 30)}]
+    out = mm.across_draws(draws)["a"]
+    assert out["gap"] == {"mean": pytest.approx(0.2), "min": 0.1, "max": 0.3}
+    assert out["q999"] == {"mean": pytest.approx(7 / 3), "min": 1.0, "max": 4.0}
+    assert out["tokens"] == 60
+
+
+@pytest.mark.slow
+def test_teacher_forcing_scores_the_other_engines_very_tokens(tmp_path):
+    """The fp32 in-process engine's samples (tokens and log-probs mu) stand as "the real
+    engine's"; the same engine teacher-forced on them gives back mu on exactly the response
+    tokens (gap ~ 0), and a noisy engine on the same tokens does not. Real engines, no stub."""
+    from real_sglang import servers
+
+    from megatron_rl.data.addition_trace import AdditionTraceConfig, addition_trace_heldout
+    from megatron_rl.rollout import InProcessEngine, InProcessEngineConfig, SamplingParams
+
+    model = servers.write_tiny_checkpoint(tmp_path / "model")
+    prompts = [list(r.prompt_ids) for r in addition_trace_heldout(AdditionTraceConfig())][:4]
+    twin = InProcessEngine.from_pretrained(str(model), InProcessEngineConfig(dtype="float32"))
+    samples = twin.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=1))
+    # "trainer" scores: the sampled mu itself behind the prompt (only the response slice counts)
+    scores = [
+        (torch.cat([torch.zeros(s.prompt_ids_P.numel() - 1), s.logprobs_R]), None) for s in samples
+    ]
+    clean = mm.compare_teacher_forced(samples, scores, twin)
+    assert clean["tokens"] == sum(s.response_ids_R.numel() for s in samples) > 0
+    assert clean["gap"] < 1e-4 and clean["q999"] < 1e-3, clean
+    noisy_config = InProcessEngineConfig(dtype="float32", router_noise=0.5)
+    noisy = mm.compare_teacher_forced(
+        samples, scores, InProcessEngine.from_pretrained(str(model), noisy_config)
+    )
+    assert noisy["gap"] > 100 * max(clean["gap"], 1e-6), noisy
+
+
 def test_buckets_split_response_positions_at_their_edges():
     positions_R = torch.tensor([0, 15, 16, 70, 127])
     trainer_R = torch.tensor([-0.1, -0.3, -1.0, -2.0, -4.0])
     engine_R = torch.zeros(5)
     buckets = mm.bucket_stats(trainer_R, engine_R, positions_R)
     assert list(buckets) == ["0-15", "16-31", "32-63", "64-127"]
-    assert buckets["0-15"] == {
+    first = {k: buckets["0-15"][k] for k in ("gap", "k3", "tokens")}
+    assert first == {
         "gap": pytest.approx(0.2),
         "k3": pytest.approx((math.expm1(0.1) - 0.1 + math.expm1(0.3) - 0.3) / 2),
         "tokens": 2,
