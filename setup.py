@@ -38,6 +38,8 @@ setup(
         # megatron-core's dist_checkpointing writer calls psutil in each writer process, outside
         # its error handling: without psutil a torch_dist save waits forever
         "psutil>=5.9",
+        # this process's own GPU memory (NVML's per-process list; pure Python, unused on CPU)
+        "nvidia-ml-py>=12",
         # torch's extension builder runs ninja to compile megatron_rl/kernels (CPU only)
         "ninja>=1.11",
     ],

@@ -42,6 +42,7 @@ from megatron_rl import stop_signal
 from megatron_rl.collectives import max_over_ranks
 from megatron_rl.rollout.memory_occupation import CUDA_GRAPH, KV_CACHE, MEMORY_TAGS, WEIGHTS
 from megatron_rl.train.offload import TrainerOffload
+from megatron_rl.train.process_memory import process_device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,10 @@ class Colocation:
         trainer is offloaded: ``colocate/device_free_bytes`` (``mem_get_info``: what the servers
         can take), ``colocate/device_reserved_bytes`` (torch's caching allocator, after
         ``empty_cache``) and ``colocate/device_untracked_bytes`` (used by this process or others
-        but not by torch's allocator: CUDA context, NCCL buffers, the servers)."""
+        but not by torch's allocator: CUDA context, NCCL buffers, the servers), and
+        ``colocate/process_device_bytes``: this process's own bytes by NVML's per-process
+        account (`megatron_rl.train.process_memory`: the trainer's residue without the
+        servers'; NaN where NVML cannot say, with one log line why)."""
         return dict(self._metrics)
 
     def _check_room(self) -> None:
@@ -202,8 +206,10 @@ def device_memory_metrics(device: torch.device) -> dict[str, float]:
         return {}
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
+    own = process_device_bytes(device)  # None: NVML cannot say (logged once); NaN, every rank
     return {
         "colocate/device_free_bytes": float(free),
         "colocate/device_reserved_bytes": float(reserved),
         "colocate/device_untracked_bytes": float(total - free - reserved),
+        "colocate/process_device_bytes": float("nan") if own is None else float(own),
     }
