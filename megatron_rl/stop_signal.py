@@ -111,6 +111,17 @@ def _exit_now() -> None:
     os._exit(128 + signum)
 
 
+def _after_fork_in_child() -> None:
+    """A forked child must not write its own signals into the parent's wake-up socket (the
+    fd is inherited): the parent's watchdog would take them for its own stop signal."""
+    Watchdog._active = None
+    with contextlib.suppress(ValueError):  # forked from a thread other than the main one
+        signal.set_wakeup_fd(-1)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Watchdog:
     """The thread that serves `hard_wait`: armed from the main thread, one per process.
 

@@ -106,3 +106,18 @@ def test_the_handler_arms_one_watchdog_and_gives_the_wakeup_fd_back_on_exit():
         assert ours != -1
     assert not stop_signal.Watchdog.armed()
     assert signal.set_wakeup_fd(-1) == -1  # nothing of ours stays registered
+
+
+def test_a_forked_childs_own_signal_does_not_reach_the_parents_watchdog():
+    """The wake-up socket is inherited on fork; the child's handler (inherited too) must not
+    write its signal into it, or the parent would stop on a signal it never received."""
+    import os
+
+    with PreemptionHandler() as handler:
+        pid = os.fork()
+        if pid == 0:  # the child: a signal of its own, then gone
+            os.kill(os.getpid(), signal.SIGUSR1)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        time.sleep(4 * stop_signal._POLL_S)
+        assert not stop_signal.requested() and not handler.requested
