@@ -27,6 +27,8 @@ from megatron_rl.losses import (
 )
 from megatron_rl.losses.aggregation import aggregate_padded
 from megatron_rl.losses.kl import KL_ESTIMATORS
+from megatron_rl.losses.opsm import opsm_keep
+from megatron_rl.losses.rollout_correction import DECOUPLED_CORRECTIONS
 
 BEHAVIOUR_LOGPROBS = ("trainer", "rollout")
 FIRST_UPDATE_OLD_LOGPROBS = ("update", "pass")
@@ -53,6 +55,18 @@ class ObjectiveConfig:
         "none",
         choices=("none", *ROLLOUT_CORRECTIONS),
         help="reweight / mask tokens by the trainer/rollout probability ratio",
+    )
+    m2po_tau: float = option(
+        0.04,
+        help="--rollout-correction m2po: the bound on the mean second moment (log mu - log "
+        "pi_old)^2 of the tokens kept (AReaL's m2_threshold; 0.04 as its M2PO example)",
+    )
+    opsm_delta: float | None = option(
+        None,
+        help="off-policy sequence masking (DeepSeek-V3.2; slime --use-opsm): a sequence with a "
+        "negative advantage whose mean log pi_behaviour - log pi_current over its response "
+        "exceeds this leaves the policy loss at that update (slime's default 1e-4; "
+        "megatron_rl/losses/opsm.py); off by default",
     )
     behavior_logprobs: str = option(
         "trainer",
@@ -83,6 +97,19 @@ class ObjectiveConfig:
             raise bad_value(self, "kl_coef", "must be a finite number >= 0")
         check_choice(self, "rollout_correction", ("none", *ROLLOUT_CORRECTIONS))
         check_choice(self, "behavior_logprobs", BEHAVIOUR_LOGPROBS)
+        if self.rollout_correction in DECOUPLED_CORRECTIONS and self.behavior_logprobs != "trainer":
+            raise bad_value(
+                self,
+                "rollout_correction",
+                f"{self.rollout_correction} clips against the trainer's recompute and weights by "
+                "pi_old / mu: it needs --behavior-logprobs trainer",
+            )
+        if not (math.isfinite(self.m2po_tau) and self.m2po_tau > 0):
+            raise bad_value(self, "m2po_tau", "must be a finite number > 0")
+        if self.opsm_delta is not None and not (
+            math.isfinite(self.opsm_delta) and self.opsm_delta >= 0
+        ):
+            raise bad_value(self, "opsm_delta", "must be a finite number >= 0")
         check_choice(self, "first_update_old_logprobs", FIRST_UPDATE_OLD_LOGPROBS)
         known = [f.name for f in fields(spec.config_cls)]
         for name, _ in self.loss_params:
@@ -115,6 +142,12 @@ def objective(
     """
     if (ref_logprobs_BT is None) != (config.kl_coef == 0):
         raise ValueError("ref_logprobs_BT is needed exactly when kl_coef > 0")
+    opsm_metrics = {}
+    if config.opsm_delta is not None:  # at this update's policy: a mask of 0/1 loss weights
+        keep_BT, opsm_metrics = opsm_keep(
+            logprobs_BT.detach(), old_logprobs_BT, advantages_B, loss_mask_BT, config.opsm_delta
+        )
+        token_weights_BT = keep_BT if token_weights_BT is None else token_weights_BT * keep_BT
     out = compute_policy_loss(
         config.loss,
         logprobs=logprobs_BT,
@@ -140,4 +173,5 @@ def objective(
         )
         out.loss = out.loss + config.kl_coef * kl
         out.metrics["kl/value"] = kl.detach()
+    out.metrics.update(opsm_metrics)
     return out

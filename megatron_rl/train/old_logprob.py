@@ -43,7 +43,7 @@ from megatron_rl.train.token_versions import fresh_token_mask, token_staleness_m
 GAP_POSITION_BUCKETS = ((0, 16), (16, 32), (32, 64), (64, 128), (128, None))
 
 # rollout corrections whose loss mask does not depend on the ratio (token weights only)
-_WEIGHTING_CORRECTIONS = ("none", "tis-token", "tis-seq")
+_WEIGHTING_CORRECTIONS = ("none", "tis-token", "tis-seq", "decoupled")  # the mask unchanged
 
 
 def fold_blocker(config: TrainConfig, model_config) -> str | None:
@@ -224,8 +224,8 @@ def behaviour_entry(
     mb: MicroBatch, old: torch.Tensor, ref_logprobs, config: TrainConfig, weight_version: int
 ) -> dict:
     """What the updates of one micro-batch need: ``old``, ``behaviour``, ``mask``, ``weights``
-    (None without a rollout correction) and ``ref`` (with a reference), from the trainer's old
-    log-probs ``old`` [B, T]."""
+    and ``correction_metrics`` (with a rollout correction: ``rollout_correction/...``) and
+    ``ref`` (with a reference), from the trainer's old log-probs ``old`` [B, T]."""
     behaviour = old if config.objective.behavior_logprobs == "trainer" else mb.rollout_logprobs_BT
     mask = entry_mask(mb, config, weight_version)
     entry = {"old": old, "behaviour": behaviour, "mask": mask, "weights": None}
@@ -235,8 +235,13 @@ def behaviour_entry(
             old_logprobs=old,
             rollout_logprobs=mb.rollout_logprobs_BT,
             loss_mask=mask,
+            tau=config.objective.m2po_tau,
         )
-        entry.update(weights=correction.weights, mask=correction.loss_mask)
+        entry.update(
+            weights=correction.weights,
+            mask=correction.loss_mask,
+            correction_metrics=correction.metrics,  # reported with the update's loss metrics
+        )
     if ref_logprobs is not None:
         entry["ref"] = ref_logprobs
     return entry

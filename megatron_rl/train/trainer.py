@@ -332,6 +332,7 @@ class Trainer:
                 token_weights_BT=entry["weights"],
                 ref_logprobs_BT=entry.get("ref"),
             )
+            out.metrics.update(entry.get("correction_metrics", {}))
             loss_metrics.append(out.metrics)
             return out.loss * self.ranks.dp
 

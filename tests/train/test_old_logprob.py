@@ -95,6 +95,7 @@ def test_rollout_correction_that_only_weights_folds(tmp_path, monkeypatch):
         ({"routing_replay": "r3"}, QUIET, "--routing-replay r3"),
         ({"rollout_correction": "mis-token"}, QUIET, "--rollout-correction mis-token masks"),
         ({"rollout_correction": "icepop"}, QUIET, "--rollout-correction icepop masks"),
+        ({"rollout_correction": "m2po"}, QUIET, "--rollout-correction m2po masks"),
         ({}, types.SimpleNamespace(hidden_dropout=0.1), "hidden_dropout"),
         ({}, types.SimpleNamespace(attention_dropout=0.1), "attention_dropout"),
         ({}, types.SimpleNamespace(moe_input_jitter_eps=0.01), "moe_input_jitter_eps"),
@@ -105,6 +106,6 @@ def test_fold_blocker_names_what_keeps_the_full_pass(tmp_path, flags, model, rea
     assert blocker is not None and reason in blocker
 
 
-@pytest.mark.parametrize("correction", ["none", "tis-token", "tis-seq"])
+@pytest.mark.parametrize("correction", ["none", "tis-token", "tis-seq", "decoupled"])
 def test_fold_blocker_allows_the_quiet_model(tmp_path, correction):
     assert fold_blocker(small_config(tmp_path, rollout_correction=correction), QUIET) is None
