@@ -158,6 +158,19 @@ STUDY = dataclasses.replace(
         "epic-mu": _flags(
             "--loss epic --delta-low 5e-4 --delta-high 2e-3 --behavior-logprobs rollout"
         ),
+        # the production peers' off-policy corrections on GRPO Clip-Higher: decoupled PPO and
+        # M2PO as AReaL runs them (clip against the trainer's recompute, weight by pi_old / mu;
+        # its M2PO example's tau 0.04), OPSM as slime's default delta against the engine's mu
+        "grpo-decoupled": _flags(
+            "--loss grpo --clip-low 0.2 --clip-high 0.28 --rollout-correction decoupled"
+        ),
+        "grpo-m2po": _flags(
+            "--loss grpo --clip-low 0.2 --clip-high 0.28 --rollout-correction m2po --m2po-tau 0.04"
+        ),
+        "grpo-opsm": _flags(
+            "--loss grpo --clip-low 0.2 --clip-high 0.28 --opsm-delta 1e-4 "
+            "--behavior-logprobs rollout"
+        ),
     },
     protocol=_flags(
         "--temperature 1.0 --top-p 1.0 --n-samples-per-prompt 8 "
