@@ -10,7 +10,8 @@ A wait that only C code can end (a process group's rendezvous, a collective wait
 weight push) never returns to Python, so the flag is never read there and Python's own handler
 does not even run until the call returns. `hard_wait` marks such a wait: a watchdog thread, woken
 by the signal itself (`signal.set_wakeup_fd`, written by the C-level handler whatever the main
-thread is doing), ends the process when a hard wait is still open ``GRACE_S`` seconds after the
+thread is doing), ends the process when a hard wait is still open ``GRACE_S`` seconds (5, or
+``MEGATRON_RL_STOP_GRACE_S``) after the
 stop signal (or after the wait began, when the signal came first). A wait that ends within the
 grace goes on as before, so the usual stop (finish the step, save, exit 0) is kept wherever it
 comes quickly. The exit code is 128 + the signal's number (143 for SIGTERM), as a process the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import select
 import signal
@@ -33,7 +35,22 @@ from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
-GRACE_S = 5.0  # a hard wait still open this long after the stop signal ends the process
+GRACE_ENV = "MEGATRON_RL_STOP_GRACE_S"
+
+
+def _grace_s() -> float:
+    """``MEGATRON_RL_STOP_GRACE_S`` (seconds, > 0), default 5: the grace of a hard wait."""
+    text = os.environ.get(GRACE_ENV, "5")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{GRACE_ENV}={text!r}: give a number of seconds > 0 (default 5)")
+    return value
+
+
+GRACE_S = _grace_s()  # a hard wait still open this long after the stop signal ends the process
 _POLL_S = 0.25
 _REQUESTED = threading.Event()
 _SIGNAL: list[float] = [signal.SIGTERM, 0.0]  # the first stop signal's number and time

@@ -4,6 +4,7 @@ armed watchdog, a signal stays a flag."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,8 +18,12 @@ from megatron_rl.train.preemption import PreemptionHandler
 ROOT = Path(__file__).resolve().parents[1]
 
 
+GRACE_S = 1.0  # the children's grace (MEGATRON_RL_STOP_GRACE_S): the default 5 s, shortened
+
+
 def _child(body: str) -> subprocess.Popen:
-    """A Python child running ``body`` (stdout: its progress lines; stderr: its log)."""
+    """A Python child running ``body`` (stdout: its progress lines; stderr: its log), with a
+    grace of `GRACE_S`."""
     code = "import logging, time\nlogging.basicConfig(level=logging.INFO)\n" + textwrap.dedent(body)
     return subprocess.Popen(
         [sys.executable, "-c", code],
@@ -26,6 +31,7 @@ def _child(body: str) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, stop_signal.GRACE_ENV: str(GRACE_S)},
     )
 
 
@@ -49,7 +55,7 @@ def test_sigterm_in_a_hard_wait_ends_the_process_after_the_grace_with_143():
     finally:
         child.kill()
     assert child.returncode == 128 + signal.SIGTERM, err
-    assert stop_signal.GRACE_S - 0.5 < waited < stop_signal.GRACE_S + 5, waited
+    assert GRACE_S - 0.5 < waited < GRACE_S + 5, waited
     assert "left the wait" not in out
     assert "SIGTERM while waiting for a peer that never comes: still waiting" in err
     assert "exiting now with 143" in err
@@ -64,12 +70,12 @@ def test_a_wait_that_ends_within_the_grace_goes_on_and_one_entered_after_the_sig
         with PreemptionHandler():
             with stop_signal.hard_wait("a short wait"):
                 os.kill(os.getpid(), signal.SIGUSR1)
-                time.sleep(1.0)
+                time.sleep(stop_signal.GRACE_S / 5)  # well within the grace
             print("went on", flush=True)
             time.sleep(stop_signal.GRACE_S)  # the grace of the next wait counts from its entry
             with stop_signal.hard_wait("the weight push"):
                 print("entered", flush=True)
-                time.sleep(120)
+                time.sleep(stop_signal.GRACE_S / 5)  # well within the grace
         """
     )
     out, err = child.communicate(timeout=60)
@@ -121,3 +127,13 @@ def test_a_forked_childs_own_signal_does_not_reach_the_parents_watchdog():
         os.waitpid(pid, 0)
         time.sleep(4 * stop_signal._POLL_S)
         assert not stop_signal.requested() and not handler.requested
+
+
+def test_a_bad_grace_names_the_variable(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv(stop_signal.GRACE_ENV, "soon")
+    with pytest.raises(ValueError, match="MEGATRON_RL_STOP_GRACE_S='soon'"):
+        stop_signal._grace_s()
+    monkeypatch.setenv(stop_signal.GRACE_ENV, "2.5")
+    assert stop_signal._grace_s() == 2.5
