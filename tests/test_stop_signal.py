@@ -12,6 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_rl import stop_signal
 from megatron_rl.train.preemption import PreemptionHandler
 
@@ -35,6 +37,7 @@ def _child(body: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # a Python child per test
 def test_sigterm_in_a_hard_wait_ends_the_process_after_the_grace_with_143():
     child = _child(
         """
@@ -61,6 +64,7 @@ def test_sigterm_in_a_hard_wait_ends_the_process_after_the_grace_with_143():
     assert "exiting now with 143" in err
 
 
+@pytest.mark.slow  # a Python child per test
 def test_a_wait_that_ends_within_the_grace_goes_on_and_one_entered_after_the_signal_gets_it():
     child = _child(
         """
@@ -130,8 +134,6 @@ def test_a_forked_childs_own_signal_does_not_reach_the_parents_watchdog():
 
 
 def test_a_bad_grace_names_the_variable(monkeypatch):
-    import pytest
-
     monkeypatch.setenv(stop_signal.GRACE_ENV, "soon")
     with pytest.raises(ValueError, match="MEGATRON_RL_STOP_GRACE_S='soon'"):
         stop_signal._grace_s()
