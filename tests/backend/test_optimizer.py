@@ -106,6 +106,7 @@ def test_cuda_type_names_hold_under_a_default_device():
         torch.set_default_device(None)
 
 
+@pytest.mark.slow  # two models per layout
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x['dtype']}_dist{x['distributed']}")
 def test_adams_state_exists_from_construction_and_the_first_update_equals_lazy_adams(ws1, layout):
     """Zero moments at step 0 from construction (the first --colocate offload holds them); a
