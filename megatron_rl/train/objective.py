@@ -27,7 +27,7 @@ from megatron_rl.losses import (
 )
 from megatron_rl.losses.aggregation import aggregate_padded
 from megatron_rl.losses.kl import KL_ESTIMATORS
-from megatron_rl.losses.opsm import opsm_keep
+from megatron_rl.losses.opsm import check_delta, opsm_keep
 from megatron_rl.losses.rollout_correction import DECOUPLED_CORRECTIONS
 
 BEHAVIOUR_LOGPROBS = ("trainer", "rollout")
@@ -106,10 +106,8 @@ class ObjectiveConfig:
             )
         if not (math.isfinite(self.m2po_tau) and self.m2po_tau > 0):
             raise bad_value(self, "m2po_tau", "must be a finite number > 0")
-        if self.opsm_delta is not None and not (
-            math.isfinite(self.opsm_delta) and self.opsm_delta >= 0
-        ):
-            raise bad_value(self, "opsm_delta", "must be a finite number >= 0")
+        if self.opsm_delta is not None:
+            check_delta(self.opsm_delta)
         check_choice(self, "first_update_old_logprobs", FIRST_UPDATE_OLD_LOGPROBS)
         known = [f.name for f in fields(spec.config_cls)]
         for name, _ in self.loss_params:
