@@ -57,13 +57,23 @@ from megatron_rl.rollout.pause_gate import PAUSE_MODES, PauseGate
 from megatron_rl.rollout.protocol import check_generate_args
 from megatron_rl.rollout.route_capture import RouteCapture, moe_gates
 from megatron_rl.rollout.router_noise import RouterNoise
-from megatron_rl.rollout.sampling import LOGPROB_MODES, row_seed, sample_next, token_logprobs
+from megatron_rl.rollout.sampling import (
+    LOGPROB_MODES,
+    draw,
+    filter_top_k_top_p,
+    row_seed,
+    sample_next,
+    support_ids,
+    support_logprobs,
+    token_logprobs,
+)
 from megatron_rl.rollout.types import (
     BF16_MATMULS,
     EngineHealth,
     RolloutSample,
     SamplingParams,
     check_samples,
+    pad_supports,
 )
 from megatron_rl.routing import CODECS, RoutingCodec
 
@@ -433,6 +443,7 @@ class InProcessEngine:
         stop = set(params.stop_token_ids)
         tokens: list[list[int]] = [[] for _ in rows]
         logprobs: list[list[float]] = [[] for _ in rows]
+        supports: list[list[torch.Tensor]] = [[] for _ in rows]  # return_sampling_support
         reasons: list[str | None] = [None] * batch
         version = self._version
         changes: list[list[tuple[int, int]]] = [[] for _ in rows]  # (old version, tokens by then)
@@ -454,16 +465,24 @@ class InProcessEngine:
                     **{self._cache_kwarg: live.cache},
                 )
                 logits_BV = out.logits[:, -1].float()
-                next_B = sample_next(
-                    logits_BV,
-                    temperature=params.temperature,
-                    top_k=params.top_k,
-                    top_p=params.top_p,
-                    generators=live.generators,
-                )
-                lp_B = token_logprobs(
-                    logits_BV, next_B, params.temperature, self.config.logprob_mode
-                )
+                if params.return_sampling_support:
+                    next_B, lp_B, step_supports = _sample_on_support(
+                        logits_BV, params, live.generators
+                    )
+                    for b, ids in zip(live.rows.tolist(), step_supports, strict=True):
+                        if reasons[b] is None:
+                            supports[b].append(ids)
+                else:
+                    next_B = sample_next(
+                        logits_BV,
+                        temperature=params.temperature,
+                        top_k=params.top_k,
+                        top_p=params.top_p,
+                        generators=live.generators,
+                    )
+                    lp_B = token_logprobs(
+                        logits_BV, next_B, params.temperature, self.config.logprob_mode
+                    )
                 _record(
                     live.rows, next_B, lp_B, tokens, logprobs, reasons, stop, params.max_new_tokens
                 )
@@ -506,6 +525,7 @@ class InProcessEngine:
                 weight_version=spans[0][0],
                 weight_versions=spans,
                 routes=blob,
+                support_RK=pad_supports(supports[b]) if params.return_sampling_support else None,
             )
             samples.append(sample)
         check_samples(samples, num_moe_layers=self.num_moe_layers)
@@ -556,6 +576,17 @@ def version_spans(
             continue
         spans.append([version, spans[-1][2] if spans else 0, end])
     return tuple((v, start, end) for v, start, end in spans)
+
+
+def _sample_on_support(logits_BV, params: SamplingParams, generators):
+    """One decoding step with ``return_sampling_support``: the tokens int64 [B], their
+    log-probs under the renormalised support float32 [B], and each row's support ids."""
+    if params.temperature == 0:  # greedy: the argmax alone, drawn with probability 1
+        next_B = logits_BV.argmax(dim=-1)
+        return next_B, torch.zeros(next_B.shape), [t.view(1).to(torch.int32) for t in next_B]
+    filtered_BV = filter_top_k_top_p(logits_BV / params.temperature, params.top_k, params.top_p)
+    next_B = draw(filtered_BV, generators)
+    return next_B, support_logprobs(filtered_BV, next_B), support_ids(filtered_BV)
 
 
 def _record(rows, next_B, lp_B, tokens, logprobs, reasons, stop, max_new_tokens) -> None:

@@ -6,8 +6,8 @@ prompt's KV only on the server that computed it. Chosen per request (least in fl
 samples of a prompt scatter over the workers and each server prefills the prompt again.
 
 Where it applies: generation that goes to the workers directly, i.e. without ``router_url`` and
-for R3 (``return_routed_experts``) always, since sglang-router 0.3.2 drops that field and the
-client bypasses it. Generation through the router is left to the router: sglang-router's
+for R3 (``return_routed_experts``) and sampling supports (``return_sampling_mask``) always,
+since sglang-router 0.3.2 drops those fields and the client bypasses it. Generation through the router is left to the router: sglang-router's
 default ``cache_aware`` policy keeps an approximate radix tree of what it sent to each worker
 and sends a request to the worker with the longest prefix match when the matched fraction
 exceeds ``--cache-threshold``, else to the worker with the smallest tree, and falls back to the

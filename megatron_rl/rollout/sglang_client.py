@@ -273,9 +273,10 @@ class SGLangEngine:
                 rid=f"{batch}-{i}-{j}-{next(attempt)}",
             )
 
-        # sglang-router 0.3.2 drops return_routed_experts from the body it forwards (its
-        # request type has no such field): R3 generation goes to the workers directly
-        pool = self.workers if routes else self.pool
+        # sglang-router 0.3.2 drops return_routed_experts and return_sampling_mask from the
+        # body it forwards (its request type has no such fields): R3 generation and sampling
+        # supports go to the workers directly
+        pool = self.workers if routes or params.return_sampling_support else self.pool
         choose = affinity.chooser(i) if pool is self.workers else None  # else the router's
         what = f"sample (prompt {i}, sample {j})"
         for _ in range(self.config.max_abort_retries + 1):
@@ -293,6 +294,7 @@ class SGLangEngine:
                     sample_index=j,
                     codec=self.codec if routes else None,
                     layer_pattern=self.config.layer_pattern,
+                    want_support=params.return_sampling_support,
                 )
             with self._lock:
                 self._aborted += 1

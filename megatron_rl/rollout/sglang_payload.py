@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_rl.rollout.sampling import row_seed
-from megatron_rl.rollout.types import RolloutSample, SamplingParams
+from megatron_rl.rollout.types import RolloutSample, SamplingParams, pad_supports
 from megatron_rl.routing import RoutingCodec
 
 GENERATE_FIELDS = (
@@ -48,6 +48,7 @@ GENERATE_FIELDS = (
     "return_logprob",
     "logprob_start_len",
     "return_routed_experts",
+    "return_sampling_mask",
     "rid",
 )
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "n")
@@ -79,6 +80,8 @@ def generate_request(
     }
     if return_routed_experts:
         payload["return_routed_experts"] = True
+    if params.return_sampling_support:
+        payload["return_sampling_mask"] = True
     return payload
 
 
@@ -133,11 +136,14 @@ def decode_generate(
     sample_index: int,
     codec: RoutingCodec | None,
     layer_pattern: Sequence[int],
+    want_support: bool = False,
 ) -> RolloutSample:
     """A checked `RolloutSample` from one ``/generate`` answer; RuntimeError names the sample.
 
     ``layer_pattern``: per HF decoder layer, 1 for a MoE layer and 0 for a dense one
     (`megatron_rl.moe_layers.moe_layer_pattern`); the routes keep the MoE layers only.
+    ``want_support``: the request asked for ``return_sampling_mask``; the sample's log-probs are
+    then the server's on the support (``output_token_sampling_logprobs``).
     """
     name = f"sample (prompt {prompt_index}, sample {sample_index})"
     if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
@@ -160,6 +166,9 @@ def decode_generate(
         if len(entry) > 1 and entry[1] is not None and int(entry[1]) != int(token):
             raise RuntimeError(f"{name}: logprob entry {k} is for token {entry[1]}, not {token}")
         logprobs.append(float(value))
+    support = None
+    if want_support:
+        support, logprobs = _decode_support(meta, name, output_ids)
     reason = meta.get("finish_reason")
     reason = reason.get("type") if isinstance(reason, dict) else reason
     routes = None
@@ -183,9 +192,40 @@ def decode_generate(
         weight_version=min((v for v, _, _ in spans), default=version),
         weight_versions=spans,
         routes=routes,
+        support_RK=support,
     )
     sample.check(num_moe_layers=sum(1 for sparse in layer_pattern if sparse))
     return sample
+
+
+def _decode_support(meta: dict, name: str, output_ids: list) -> tuple[torch.Tensor, list]:
+    """``meta_info``'s ``output_token_sampling_mask`` (per response token, the support's ids in
+    descending weight) and ``output_token_sampling_logprobs`` (the sampled token's log-prob
+    renormalised on it, SGLang's "selected" mode) -> (int32 ``[R, K]`` -1 padded, floats)."""
+    masks = meta.get("output_token_sampling_mask")
+    values = meta.get("output_token_sampling_logprobs")
+    num = len(output_ids)
+    if not isinstance(masks, list) or not isinstance(values, list):
+        raise RuntimeError(
+            f"{name}: the answer has no output_token_sampling_mask/_logprobs (SGLang >= 0.5.23 "
+            "returns them for return_sampling_mask; a finite top_k is required)"
+        )
+    if len(masks) != num or len(values) != num:
+        raise RuntimeError(
+            f"{name}: {len(masks)} sampling masks and {len(values)} sampling log-probs for "
+            f"{num} response tokens"
+        )
+    rows = []
+    for k, ids in enumerate(masks):
+        if not isinstance(ids, list) or not ids:
+            raise RuntimeError(f"{name}: empty sampling mask at response token {k}")
+        rows.append(torch.tensor(ids, dtype=torch.int32))
+    logprobs = []
+    for k, value in enumerate(values):
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RuntimeError(f"{name}: sampling log-prob {value!r} of response token {k}")
+        logprobs.append(float(value))
+    return pad_supports(rows), logprobs
 
 
 def _decode_routes(

@@ -36,6 +36,11 @@ class SamplingParams:
     ``seed``: with the same seed, prompts, ``n`` and weights an engine returns the same samples;
     the in-process engine derives one generator per (prompt, sample) from it, so a sample does not
     depend on what else is in the batch. ``None``: non-deterministic.
+    ``return_sampling_support`` (SGLang's ``return_sampling_mask``): every response token comes
+    with the ids of the support it was drawn from (``RolloutSample.support_RK``) and its log-prob
+    under that renormalised support instead of the full vocabulary (`megatron_rl.rollout.
+    sampling`). It needs a finite ``top_k``, which bounds the support (SGLang rejects the request
+    otherwise; 1 for greedy).
     """
 
     temperature: float = 1.0
@@ -44,6 +49,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    return_sampling_support: bool = False
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -65,6 +71,14 @@ class SamplingParams:
             )
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed={self.seed!r}: must be an int or None")
+        if self.return_sampling_support and (
+            self.top_k == -1 or (self.temperature == 0 and self.top_k != 1)
+        ):
+            raise ValueError(
+                f"SamplingParams.top_k={self.top_k!r} with return_sampling_support: set a finite "
+                "top_k (e.g. 512; 1 when temperature is 0), which bounds each token's support "
+                "(SGLang accepts top_k up to its --sampling-mask-max-tokens)"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def to_sglang(self) -> dict:
@@ -100,6 +114,10 @@ class RolloutSample:
         routes: None, or a `RoutingBlob` of ``num_tokens = P + R - 1`` rows ``[P + R - 1, L, K]``
             (see the module docstring for the alignment), encoded with the engine's
             `RoutingCodec`.
+        support_RK: None, or int32 ``[R, K]``: row ``j`` holds the ids of the sampling support
+            response token ``j`` was drawn from, in descending probability, padded with -1 to the
+            sample's largest support ``K`` (``SamplingParams.return_sampling_support``); then
+            ``logprobs_R`` are log-probs under those renormalised supports.
     """
 
     prompt_index: int
@@ -111,6 +129,7 @@ class RolloutSample:
     weight_version: int
     weight_versions: tuple[tuple[int, int, int], ...] = ()
     routes: RoutingBlob | None = None
+    support_RK: torch.Tensor | None = None
 
     @property
     def num_routed_positions(self) -> int:
@@ -130,6 +149,8 @@ class RolloutSample:
             )
         if values:
             self._check_logprob_values(name)
+        if self.support_RK is not None:
+            check_support(self.support_RK, self.response_ids_R, name)
         if self.finish_reason not in FINISH_REASONS:
             raise RuntimeError(
                 f"{name}: finish_reason {self.finish_reason!r} not in {FINISH_REASONS}"
@@ -155,6 +176,39 @@ class RolloutSample:
             )
         if bool((self.logprobs_R > 1e-4).any()):
             raise RuntimeError(f"{name}: positive logprob {float(self.logprobs_R.max())}")
+
+
+def check_support(support_RK: torch.Tensor, response_ids_R: torch.Tensor, name: str) -> None:
+    """RuntimeError naming ``name`` unless ``support_RK`` is int32 ``[R, K >= 1]`` with every
+    response token in its own row and only -1 after a row's last id."""
+    num_response = response_ids_R.numel()
+    if (
+        support_RK.dtype != torch.int32
+        or support_RK.dim() != 2
+        or support_RK.shape[0] != (num_response)
+    ):
+        raise RuntimeError(
+            f"{name}: support_RK is {support_RK.dtype} {tuple(support_RK.shape)}, expected "
+            f"int32 [{num_response}, K]: one support row per response token"
+        )
+    present_RK = support_RK >= 0
+    if support_RK.shape[1] == 0 or bool((present_RK[:, 1:] & ~present_RK[:, :-1]).any()):
+        raise RuntimeError(f"{name}: support_RK rows must start with >= 1 id, -1 only after")
+    inside_R = (support_RK == response_ids_R[:, None].to(torch.int32)).any(dim=1)
+    if not bool(inside_R.all()):
+        j = int((~inside_R).nonzero()[0])
+        raise RuntimeError(
+            f"{name}: response token {j} (id {int(response_ids_R[j])}) is not in its sampling "
+            f"support {support_RK[j][present_RK[j]].tolist()[:8]}"
+        )
+
+
+def pad_supports(rows: list[torch.Tensor]) -> torch.Tensor:
+    """int32 ``[len(rows), max size]``: 1-D id rows stacked, padded with -1 on the right."""
+    if not rows:
+        return torch.full((0, 1), -1, dtype=torch.int32)
+    rows = [row.to(torch.int32) for row in rows]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=-1)
 
 
 def check_samples(samples: list[RolloutSample], *, num_moe_layers: int | None = None) -> None:

@@ -42,6 +42,9 @@ class TrainSample:
     # bool [R]: the response tokens in the loss (None: all); False on tokens the policy did not
     # sample, e.g. a tool's answer in a multi-turn rollout (megatron_rl/train/rollout_function.py)
     response_mask: torch.Tensor | None = None
+    # int32 [R, K]: each response token's sampling support, -1 padded (`RolloutSample.support_RK`;
+    # None: sampled from the full vocabulary); a row of -1 only for tokens outside the loss
+    support_RK: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -61,6 +64,9 @@ class MicroBatch:
     advantages_B: torch.Tensor  # float32 [b]
     lengths: list[int]  # tokens of each row (prompt + response)
     samples: list[TrainSample]
+    # int64 [b, s - 1, K]: the sampling support of each predicted response token, -1 elsewhere
+    # (`megatron_rl.train.support_logprobs`); None when the samples carry none
+    support_BTK: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """This micro-batch with every tensor on ``device`` (the model's); samples stay put."""
@@ -72,6 +78,7 @@ class MicroBatch:
             advantages_B=self.advantages_B.to(device),
             lengths=self.lengths,
             samples=self.samples,
+            support_BTK=None if self.support_BTK is None else self.support_BTK.to(device),
         )
 
     def routed(self) -> RoutedMicroBatch:
@@ -134,6 +141,9 @@ def make_micro_batch(
     else:
         mask[rows, cols] = torch.cat([_trained(s) for s in samples])
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    support = None
+    if any(s.support_RK is not None for s in samples):
+        support = _support_BTK(samples, rows, cols, seq)
     return MicroBatch(
         tokens_BS=tokens,
         loss_mask_BT=mask,
@@ -142,6 +152,36 @@ def make_micro_batch(
         advantages_B=advantages,
         lengths=lengths,
         samples=list(samples),
+        support_BTK=support,
+    )
+
+
+def _support_BTK(samples, rows, cols, seq: int) -> torch.Tensor:
+    """int64 ``[b, s - 1, K]``: every sample's ``support_RK`` at its predicted response positions
+    (``rows``, ``cols``), -1 elsewhere; ``K`` the widest support."""
+    if any(s.support_RK is None for s in samples):
+        raise ValueError(_mixed_supports(samples))
+    for i, s in enumerate(samples):
+        if s.support_RK.dim() != 2 or s.support_RK.shape[0] != s.response_ids.numel():
+            raise ValueError(
+                f"sample {i}: support_RK {tuple(s.support_RK.shape)} must be [R, K] with one "
+                f"row per response token (R = {s.response_ids.numel()})"
+            )
+    width = max(s.support_RK.shape[1] for s in samples)
+    out = torch.full((len(samples), seq - 1, width), -1, dtype=torch.int64)
+    pad = torch.nn.functional.pad
+    out[rows, cols] = torch.cat(
+        [pad(s.support_RK, (0, width - s.support_RK.shape[1]), value=-1) for s in samples]
+    ).to(torch.int64)
+    return out
+
+
+def _mixed_supports(samples) -> str:
+    without = [i for i, s in enumerate(samples) if s.support_RK is None]
+    return (
+        f"samples {without[:8]} have no sampling support (support_RK) while others do: with "
+        "--logprobs-on-sampling-support every sample must carry the support its tokens were "
+        "drawn from (a rollout function returns the engine's RolloutSample.support_RK)"
     )
 
 
@@ -181,6 +221,20 @@ def merge_micro_batches(parts: Sequence[MicroBatch], pad_id: int = 0) -> MicroBa
         pad = torch.nn.functional.pad
         return torch.cat([pad(t, (0, columns - t.shape[1]), value=value) for t in tensors])
 
+    supports = [mb.support_BTK for mb in parts]
+    support = None
+    if any(t is not None for t in supports):
+        if any(t is None for t in supports):
+            raise ValueError("merge_micro_batches: some parts carry sampling supports, some not")
+        depth = max(t.shape[2] for t in supports)
+        support = torch.cat(
+            [
+                torch.nn.functional.pad(
+                    t, (0, depth - t.shape[2], 0, width - 1 - t.shape[1]), value=-1
+                )
+                for t in supports
+            ]
+        )
     return MicroBatch(
         tokens_BS=cat("tokens_BS", pad_id, width),
         loss_mask_BT=cat("loss_mask_BT", False, width - 1),
@@ -189,6 +243,7 @@ def merge_micro_batches(parts: Sequence[MicroBatch], pad_id: int = 0) -> MicroBa
         advantages_B=torch.cat([mb.advantages_B for mb in parts]),
         lengths=[n for mb in parts for n in mb.lengths],
         samples=[s for mb in parts for s in mb.samples],
+        support_BTK=support,
     )
 
 

@@ -34,9 +34,10 @@ from megatron_rl.collectives import sum_over_ranks
 from megatron_rl.losses import rollout_correction
 from megatron_rl.train.batch import MicroBatch
 from megatron_rl.train.config import TrainConfig
-from megatron_rl.train.logprobs import token_entropy, token_logprobs
+from megatron_rl.train.logprobs import token_entropy
 from megatron_rl.train.merged_pass import forward_only_pass, forward_token_budget
 from megatron_rl.train.rank_topology import RankTopology
+from megatron_rl.train.support_logprobs import policy_logprobs
 from megatron_rl.train.token_versions import fresh_token_mask, token_staleness_metrics
 
 # response-position buckets [start, end) of the train/rollout gap (the last one open-ended)
@@ -189,7 +190,7 @@ def old_logprob_pass(
     def on_logits(n: int, logits: torch.Tensor) -> None:  # merged forwards: any order
         k = passed[n]
         mb = flat[k]
-        old = token_logprobs(logits, mb.tokens_BS, rollout.temperature)
+        old = policy_logprobs(logits, mb, rollout.temperature)
         entries[k] = behaviour_entry(mb, old, refs[k], config, weight_version)
         result.record(keys[k], mb, entries[k], logits)
 

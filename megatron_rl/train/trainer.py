@@ -46,7 +46,6 @@ from megatron_rl.train.batch import MicroBatch, TrainSample
 from megatron_rl.train.colocate import Colocation, release_generation_memory
 from megatron_rl.train.config import TrainConfig
 from megatron_rl.train.learning_guard import LearningGuard
-from megatron_rl.train.logprobs import token_logprobs
 from megatron_rl.train.minibatches import plan_minibatches
 from megatron_rl.train.nonfinite import NonFiniteGuard
 from megatron_rl.train.objective import objective
@@ -58,6 +57,7 @@ from megatron_rl.train.rank_topology import RankTopology
 from megatron_rl.train.ratio_quantiles import NUM_BINS, log_ratio_counts, quantile_metrics
 from megatron_rl.train.rollouts.dump import rollout_only_step
 from megatron_rl.train.rollouts.manager import RolloutManager
+from megatron_rl.train.support_logprobs import policy_logprobs
 from megatron_rl.train.sync_wait import SyncWait, remote_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
 from megatron_rl.train.weight_publisher import PolicyShard, build_weight_publisher
@@ -313,7 +313,7 @@ class Trainer:
         def on_logits(i: int, logits: torch.Tensor) -> torch.Tensor | None:
             nonlocal finite
             entry, mb = behaviour[i], minibatch[i]
-            logprobs = token_logprobs(logits, mb.tokens_BS, self.config.rollout.temperature)
+            logprobs = policy_logprobs(logits, mb, self.config.rollout.temperature)
             if not self.nonfinite.finite(logprobs, entry["mask"]):
                 finite = False  # keep running forwards: peers wait in collectives
                 return None

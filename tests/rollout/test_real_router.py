@@ -3,7 +3,7 @@
 The worker here is the loopback stand-in recording each ``/generate`` body it receives (the
 router's forwarding is what is under test, not the worker); the router is the real Rust binary
 started by ``python -m sglang_router.launch_router``. This is the evidence behind
-`SGLangEngine` sending R3 generation to the workers directly.
+`SGLangEngine` sending R3 generation and sampling-support requests to the workers directly.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from megatron_rl.rollout.sglang_payload import GENERATE_FIELDS, SEED_FIELD, gene
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_sglang]
 
-# what the router 0.3.2 drops of what the client sends (sglang-api.md, measured 2026-12-01)
-DROPPED = {"return_routed_experts"}
+# what the router 0.3.2 drops of what the client sends (sglang-api.md, measured 2026-12-01;
+# return_sampling_mask measured 2026-12-06)
+DROPPED = {"return_routed_experts", "return_sampling_mask"}
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def recording_worker(servers):
     return worker, bodies
 
 
-def test_the_router_drops_routed_experts_and_keeps_every_other_client_field(
+def test_the_router_drops_routed_experts_and_sampling_masks_and_keeps_every_other_field(
     recording_worker, tmp_path
 ):
     real.require()
@@ -44,7 +45,14 @@ def test_the_router_drops_routed_experts_and_keeps_every_other_client_field(
     router = real.start_router([worker.url], log_path=tmp_path / "router.log")
     try:
         router.wait_ready(timeout_s=120)
-        params = SamplingParams(max_new_tokens=3, top_p=0.9, top_k=5, stop_token_ids=(2,), seed=4)
+        params = SamplingParams(
+            max_new_tokens=3,
+            top_p=0.9,
+            top_k=5,
+            stop_token_ids=(2,),
+            seed=4,
+            return_sampling_support=True,
+        )
         sent = generate_request(
             [5, 17, 33], params, prompt_index=0, sample_index=1, rid="r-1",
             return_routed_experts=True,

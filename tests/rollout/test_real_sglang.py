@@ -94,6 +94,35 @@ def test_generation_returns_logprobs_and_routed_experts(server, hf_config):
         assert bool((s.logprobs_R <= 0).all())
 
 
+def test_sampling_supports_and_their_renormalised_logprobs_from_the_server(server, hf_config):
+    """``return_sampling_mask`` at top-k 4, top-p 0.7: every token comes with the support it was
+    drawn from (at most 4 ids, itself among them) and a log-prob that is the log of its
+    probability renormalised on that support, as an fp32 forward of the server's weights gives
+    it (bf16 server), far from the full-vocabulary log-prob (~log(1/4) against ~log(1/V))."""
+    params = SamplingParams(
+        max_new_tokens=6, top_k=4, top_p=0.7, seed=3, return_sampling_support=True
+    )
+    model = perturbed(hf_config, seed=21)
+    with client_for(server, hf_config) as client:
+        version = client.health().weight_version + 1
+        client.update_weights(model.named_parameters(), version=version)
+        samples = client.generate(PROMPTS, params, n=2)
+    full_gap = []
+    for s in samples:
+        s.check()
+        assert s.support_RK.shape[1] <= 4
+        prompt, response = s.prompt_ids_P.tolist(), s.response_ids_R.tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0].double()
+        probs = torch.softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        for j, token in enumerate(response):
+            support = s.support_RK[j][s.support_RK[j] >= 0]
+            want = torch.log(probs[j, token] / probs[j, support].sum())
+            assert abs(float(s.logprobs_R[j]) - float(want)) < BF16_LOGPROB_ATOL, (j, want)
+            full_gap.append(float(want - torch.log(probs[j, token])))
+    assert min(full_gap) >= 0 and max(full_gap) > 0.5
+
+
 @pytest.mark.parametrize("transport", ["distributed", "disk", "tensor"])
 def test_weight_sync_loads_the_trainer_weights(server, hf_config, transport, tmp_path):
     """After a sync the server scores a sequence as the pushed weights do (bf16 server)."""
@@ -464,6 +493,27 @@ def test_the_trainer_learns_against_the_real_server_with_r3(server, tmp_path):
     assert gap < 0.05, gap
     assert median_agreement > 0.9 and lowest_agreement > 0.75, agreements
     assert all(r["rollout/aborted"] == 0 for r in rows)
+
+
+def test_the_trainer_renormalises_on_the_real_servers_supports(server, tmp_path):
+    """The real CLI with ``--logprobs-on-sampling-support`` against the real server: the
+    trainer's old log-probs on the server's recorded supports match the server's renormalised
+    ones to the bf16 engine's gap (on the full vocabulary they would be nats apart)."""
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "megatron_rl.train", "--run-dir", str(run_dir), "--device", "cpu",
+        "--no-progress", "--rollout-engine", "sglang", "--sglang-url", server.url,
+        "--weight-sync-transport", "distributed", "--train-iters", "2", "--torch-threads", "1",
+        "--top-k", "4", "--top-p", "0.7", "--logprobs-on-sampling-support",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    rows = [r for r in rows if "mismatch/train_rollout_logprob_abs_gap" in r]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["mismatch/train_rollout_logprob_abs_gap"] < 0.05, r
+        assert r["rollout/aborted"] == 0
 
 
 @pytest.mark.slow

@@ -85,6 +85,26 @@ def test_the_carried_state_survives_json_and_continues_identically():
         assert torch.equal(x.logprobs_R, y.logprobs_R)
 
 
+def test_sampling_supports_of_every_round_are_kept_and_survive_json():
+    """--logprobs-on-sampling-support across rounds: each token keeps the support it was drawn
+    from, so a continued sample has one support row per response token, its token inside."""
+    params = SamplingParams(
+        max_new_tokens=12, top_k=4, stop_token_ids=(0,), seed=11, return_sampling_support=True
+    )
+    a = _pool(make_engine(seed=3), round_tokens=3)
+    b = _pool(make_engine(seed=3), round_tokens=3)
+    _, samples, _ = a.generate([0, 1, 2], 0, params)
+    assert any(s.response_ids_R.numel() > 3 for s in samples)
+    for s in samples:
+        s.check()  # one row per token, each token in its row
+        assert s.support_RK.shape[0] == s.response_ids_R.numel() and s.support_RK.shape[1] <= 4
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())), 0)
+    for x, y in zip(
+        a.generate([3, 4], 1, params)[1], b.generate([3, 4], 1, params)[1], strict=True
+    ):
+        assert torch.equal(x.support_RK, y.support_RK)
+
+
 def test_r3_keeps_the_route_of_each_token_from_the_round_that_fed_it_first():
     """Routes of a continued sample: the rows of earlier rounds, then the rows of the new one
     from the first position it fed; with unchanged weights that equals one forward's routes."""

@@ -10,9 +10,9 @@ import torch
 
 from megatron_rl.data import BuiltinTaskConfig, builtin_task
 from megatron_rl.rewards import score_builtin_response
-from megatron_rl.rollout import InProcessEngine
+from megatron_rl.rollout import InProcessEngine, SamplingParams
 from megatron_rl.train.advantages import group_advantages
-from megatron_rl.train.rollouts.phase import RolloutConfig, run_rollout
+from megatron_rl.train.rollouts.phase import RolloutConfig, run_rollout, score_rollout
 from megatron_rl.train.task import TaskConfig, load_policy_config
 
 
@@ -88,6 +88,26 @@ def test_routes_come_back_for_r3(task):
     for sample in result.samples:
         assert sample.routes is not None
         assert sample.routes.num_tokens == sample.length - 1  # the last token is never fed back
+
+
+def test_sampling_supports_reach_the_train_samples_and_a_missing_one_is_refused(task):
+    result = _rollout(task, top_k=4, logprobs_on_sampling_support=True)
+    for sample in result.samples:
+        assert sample.support_RK.shape[0] == sample.response_ids.numel()
+        assert sample.support_RK.shape[1] <= 4
+    engine, tokenizer, records = task
+    config = RolloutConfig(
+        n_samples_per_prompt=2, max_response_length=2, top_k=4, logprobs_on_sampling_support=True
+    )
+    plain = engine.generate(
+        [list(r.prompt_ids) for r in records[:1]],
+        SamplingParams(max_new_tokens=2, top_k=4, seed=1),
+        n=2,
+    )
+    with pytest.raises(ValueError, match=r"sample \(prompt 0, sample 0\) has no support_RK"):
+        score_rollout(plain, records[:1], tokenizer, score_builtin_response, config, engine=engine)
+    with pytest.raises(ValueError, match="set a finite --top-k"):
+        RolloutConfig(logprobs_on_sampling_support=True)
 
 
 def test_bad_rollout_settings_name_the_field():

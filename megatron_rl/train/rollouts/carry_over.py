@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_rl.rollout import SamplingParams
-from megatron_rl.rollout.types import RolloutSample
+from megatron_rl.rollout.types import RolloutSample, pad_supports
 
 
 @dataclass(slots=True)
@@ -59,6 +59,8 @@ class PartialSample:
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (version, start, end)
     routes: torch.Tensor | None = None  # R3: decoded int64 [P + R - 1, L, K], None otherwise
     finish_reason: str | None = None  # "stop" or "length" once finished; None while running
+    # each response token's sampling support ids (--logprobs-on-sampling-support), else None
+    supports: list[list[int]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -189,6 +191,9 @@ class CarryOver:
                 sample.spans[-1] = (version, last[1], start + hi)
             else:
                 sample.spans.append((version, start + lo, start + hi))
+        if piece.support_RK is not None:
+            rows = [row[row >= 0].tolist() for row in piece.support_RK]
+            sample.supports = (sample.supports or []) + rows
         if self.codec is not None:
             routes = self.codec.decode(piece.routes)
             if sample.routes is not None:  # keep the rows an earlier round fed first
@@ -211,6 +216,9 @@ class CarryOver:
             weight_version=min(v for v, _, _ in s.spans),
             weight_versions=versions,
             routes=self.codec.encode(s.routes) if s.routes is not None else None,
+            support_RK=None
+            if s.supports is None
+            else pad_supports([torch.tensor(row, dtype=torch.int32) for row in s.supports]),
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -265,6 +273,7 @@ def _group_state(group: PoolGroup) -> dict:
                 "spans": [list(span) for span in s.spans],
                 "finish_reason": s.finish_reason,
                 "routes": None if s.routes is None else _tensor_state(s.routes),
+                "supports": s.supports,
             }
             for s in group.samples
         ],
@@ -279,6 +288,7 @@ def _group_from_state(state: dict) -> PoolGroup:
             spans=[tuple(int(x) for x in span) for span in s["spans"]],
             routes=None if s["routes"] is None else _tensor_from_state(s["routes"]),
             finish_reason=s["finish_reason"],
+            supports=s.get("supports"),
         )
         for s in state["samples"]
     ]

@@ -28,6 +28,13 @@ class RolloutConfig:
     temperature: float = option(1.0, help="sampling temperature (> 0)")
     top_p: float = option(1.0, help="nucleus sampling: keep tokens up to this mass (0, 1]")
     top_k: int = option(-1, help="keep the k most likely tokens (-1: no limit)")
+    logprobs_on_sampling_support: bool = option(
+        False,
+        help="the engine records each token's top-k/top-p sampling support and reports its "
+        "log-prob renormalised on it; the trainer's policy and old log-probs are renormalised on "
+        "the same support (DeepSeek-V3.2's keep-sampling-mask; SGLang's return_sampling_mask). "
+        "Needs a finite --top-k, which bounds the stored support",
+    )
     advantage_estimator: str = option(
         "grpo", choices=ADVANTAGE_ESTIMATORS, help="advantages from the group's rewards"
     )
@@ -146,6 +153,13 @@ class RolloutConfig:
             raise bad_value(self, "top_p", "must be in (0, 1] (1 keeps every token)")
         if self.top_k == 0 or self.top_k < -1:
             raise bad_value(self, "top_k", "must be -1 (no limit) or >= 1")
+        if self.logprobs_on_sampling_support and self.top_k == -1:
+            raise bad_value(
+                self,
+                "top_k",
+                "--logprobs-on-sampling-support stores each token's support: set a finite "
+                "--top-k (e.g. 512), which bounds it (SGLang rejects the request otherwise)",
+            )
         if not (isinstance(self.max_staleness, int) and self.max_staleness >= 1):
             raise bad_value(
                 self,

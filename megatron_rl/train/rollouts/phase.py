@@ -114,6 +114,7 @@ def rollout_params(config: RolloutConfig, tokenizer, seed: int) -> SamplingParam
         max_new_tokens=config.max_response_length,
         stop_token_ids=(tokenizer.eos_token_id,),
         seed=seed,
+        return_sampling_support=config.logprobs_on_sampling_support,
     )
 
 
@@ -145,6 +146,8 @@ def score_rollout(
         in_loss.tolist(),
     )
     masks = _partial_masks([o.loss_mask_R for o in outputs])  # None: every token trained
+    if config.logprobs_on_sampling_support:
+        _check_supports(generated)
     samples = []
     for i, (s, mask) in enumerate(zip(generated, masks, strict=True)):
         samples.append(
@@ -161,6 +164,7 @@ def score_rollout(
                 weight_versions=tuple(s.weight_versions),  # per segment when it spans an update
                 prompt_index=-1 if prompt_indices is None else prompt_indices[s.prompt_index],
                 response_mask=mask,
+                support_RK=s.support_RK,
             )
         )
     lengths = torch.tensor([float(s.response_ids_R.numel()) for s in generated])
@@ -230,6 +234,19 @@ def _rewards(outputs: list[RolloutOutput], records, tokenizer, reward_fn):
         torch.tensor(failed, dtype=torch.bool),
         errors,
     )
+
+
+def _check_supports(generated: list) -> None:
+    """ValueError unless every sample carries its tokens' sampling supports: without them the
+    trainer would compare full-vocabulary log-probs with the engine's renormalised ones."""
+    for s in generated:
+        if s.support_RK is None:
+            raise ValueError(
+                f"--logprobs-on-sampling-support: sample (prompt {s.prompt_index}, sample "
+                f"{s.sample_index}) has no support_RK; the rollout function must keep the "
+                "engine's RolloutSample.support_RK (one row per response token) or run without "
+                "the option"
+            )
 
 
 def _behaviour_logprobs(logprobs_R: torch.Tensor, mask_R: torch.Tensor | None) -> torch.Tensor:
