@@ -5,13 +5,13 @@ Why: `SGLangEngine` sends each of a prompt's ``n`` samples as its own ``/generat
 prompt's KV only on the server that computed it. Chosen per request (least in flight), the ``n``
 samples of a prompt scatter over the workers and each server prefills the prompt again.
 
-Where it applies: generation that goes to the workers directly, i.e. without ``router_url`` and
-for R3 (``return_routed_experts``) and sampling supports (``return_sampling_mask``) always,
-since sglang-router 0.3.2 drops those fields and the client bypasses it. Generation through the router is left to the router: sglang-router's
-default ``cache_aware`` policy keeps an approximate radix tree of what it sent to each worker
-and sends a request to the worker with the longest prefix match when the matched fraction
-exceeds ``--cache-threshold``, else to the worker with the smallest tree, and falls back to the
-least loaded worker once the load is imbalanced (busiest minus idlest above
+Where it applies: generation that goes to the workers directly, i.e. without ``router_url`` and for
+R3 (``return_routed_experts``) and sampling supports (``return_sampling_mask``) always, since
+sglang-router 0.3.2 drops those fields and the client bypasses it. Generation through the router is
+left to the router: sglang-router's default ``cache_aware`` policy keeps an approximate radix tree
+of what it sent to each worker and sends a request to the worker with the longest prefix match when
+the matched fraction exceeds ``--cache-threshold``, else to the worker with the smallest tree, and
+falls back to the least loaded worker once the load is imbalanced (busiest minus idlest above
 ``--balance-abs-threshold`` and busiest above ``--balance-rel-threshold`` x idlest); 0.3, 64 and
 1.5 by default in sglang-router 0.3.2 (its ``RouterArgs``).
 

@@ -45,6 +45,8 @@ class TrainSample:
     # int32 [R, K]: each response token's sampling support, -1 padded (`RolloutSample.support_RK`;
     # None: sampled from the full vocabulary); a row of -1 only for tokens outside the loss
     support_RK: torch.Tensor | None = None
+    # float32 [R]: the --loss-teacher's log-prob of each response token (None: no teacher)
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -67,6 +69,9 @@ class MicroBatch:
     # int64 [b, s - 1, K]: the sampling support of each predicted response token, -1 elsewhere
     # (`megatron_rl.train.support_logprobs`); None when the samples carry none
     support_BTK: torch.Tensor | None = None
+    # float32 [b, s - 1]: the teacher's log-prob of each predicted response token, 0 elsewhere
+    # (`megatron_rl.train.teacher`); None without --loss-teacher
+    teacher_logprobs_BT: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """This micro-batch with every tensor on ``device`` (the model's); samples stay put."""
@@ -79,6 +84,9 @@ class MicroBatch:
             lengths=self.lengths,
             samples=self.samples,
             support_BTK=None if self.support_BTK is None else self.support_BTK.to(device),
+            teacher_logprobs_BT=None
+            if self.teacher_logprobs_BT is None
+            else self.teacher_logprobs_BT.to(device),
         )
 
     def routed(self) -> RoutedMicroBatch:
@@ -139,11 +147,18 @@ def make_micro_batch(
     if all(s.in_loss and s.response_mask is None for s in samples):
         mask[rows, cols] = True
     else:
-        mask[rows, cols] = torch.cat([_trained(s) for s in samples])
+        mask[rows, cols] = torch.cat([trained_tokens(s) for s in samples])
     advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     support = None
     if any(s.support_RK is not None for s in samples):
         support = _support_BTK(samples, rows, cols, seq)
+    teacher = None
+    if any(s.teacher_logprobs is not None for s in samples):
+        missing = [i for i, s in enumerate(samples) if s.teacher_logprobs is None]
+        if missing:
+            raise ValueError(f"samples {missing[:8]} have no teacher log-probs while others do")
+        teacher = torch.zeros(batch, seq - 1, dtype=torch.float32)
+        teacher[rows, cols] = torch.cat([s.teacher_logprobs for s in samples]).float()
     return MicroBatch(
         tokens_BS=tokens,
         loss_mask_BT=mask,
@@ -153,6 +168,7 @@ def make_micro_batch(
         lengths=lengths,
         samples=list(samples),
         support_BTK=support,
+        teacher_logprobs_BT=teacher,
     )
 
 
@@ -194,7 +210,7 @@ def _ragged_positions(counts: torch.Tensor, offsets: torch.Tensor):
     return rows, cols
 
 
-def _trained(sample: TrainSample) -> torch.Tensor:
+def trained_tokens(sample: TrainSample) -> torch.Tensor:
     """bool ``[R]``: the response tokens of ``sample`` in the loss."""
     if not sample.in_loss:
         return torch.zeros(sample.response_ids.numel(), dtype=torch.bool)
@@ -235,6 +251,9 @@ def merge_micro_batches(parts: Sequence[MicroBatch], pad_id: int = 0) -> MicroBa
                 for t in supports
             ]
         )
+    teachers = [mb.teacher_logprobs_BT for mb in parts]
+    if any(t is not None for t in teachers) and any(t is None for t in teachers):
+        raise ValueError("merge_micro_batches: some parts carry teacher log-probs, some not")
     return MicroBatch(
         tokens_BS=cat("tokens_BS", pad_id, width),
         loss_mask_BT=cat("loss_mask_BT", False, width - 1),
@@ -244,6 +263,9 @@ def merge_micro_batches(parts: Sequence[MicroBatch], pad_id: int = 0) -> MicroBa
         lengths=[n for mb in parts for n in mb.lengths],
         samples=[s for mb in parts for s in mb.samples],
         support_BTK=support,
+        teacher_logprobs_BT=None
+        if teachers[0] is None
+        else cat("teacher_logprobs_BT", 0.0, width - 1),
     )
 
 

@@ -37,6 +37,7 @@ from megatron_rl.train.rollouts.config import RolloutConfig
 from megatron_rl.train.run_logger import RunLoggerConfig
 from megatron_rl.train.schedule import ScheduleConfig
 from megatron_rl.train.task_config import TaskConfig
+from megatron_rl.train.teacher import TeacherConfig
 
 # section -> (its title in --help, its class, the CLI's defaults where they differ from the
 # component's own: the optimizer's learning rate and distributed-optimizer default, and sequence
@@ -52,6 +53,7 @@ SECTIONS = {
         {"lr": 3e-3, "use_distributed_optimizer": False},
     ),
     "objective": ("RL objective", ObjectiveConfig, {}),
+    "teacher": ("on-policy distillation", TeacherConfig, {}),
     "replay": ("routing replay", ReplayConfig, {}),
     "rollout": ("rollout", RolloutConfig, {}),
     "engine": ("rollout engine and weight sync", EngineConfig, {}),
@@ -80,6 +82,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=partial(_section, "schedule"))
     optimizer: OptimizerConfig = field(default_factory=partial(_section, "optimizer"))
     objective: ObjectiveConfig = field(default_factory=partial(_section, "objective"))
+    teacher: TeacherConfig = field(default_factory=partial(_section, "teacher"))
     replay: ReplayConfig = field(default_factory=partial(_section, "replay"))
     rollout: RolloutConfig = field(default_factory=partial(_section, "rollout"))
     engine: EngineConfig = field(default_factory=partial(_section, "engine"))
@@ -175,6 +178,7 @@ class TrainConfig:
                 "with the new weights) or in_place (old KV kept), not abort"
             )
         self._check_colocate()
+        self._check_teacher()
         samples, batch = self.rollout.samples_per_rollout, self.schedule.global_batch_size
         if samples % batch:
             raise ValueError(
@@ -188,6 +192,31 @@ class TrainConfig:
                 self.data_parallel_size(int(world))
             except ValueError as err:
                 raise ValueError(f"{err} (WORLD_SIZE={world}, set by torchrun)") from None
+
+    def _check_teacher(self) -> None:
+        """``--loss-teacher``: per-token advantages, compared at temperature 1 on the full
+        vocabulary (megatron_rl/train/teacher.py)."""
+        if not self.teacher.enabled:
+            return
+        spec = get_loss_spec(self.objective.loss)
+        refusals = {
+            "--temperature": self.rollout.temperature != 1.0,
+            "--logprobs-on-sampling-support": self.rollout.logprobs_on_sampling_support,
+            "--opsm-delta": self.objective.opsm_delta is not None,
+            f"--loss {self.objective.loss}": spec.sequence_advantages,
+        }
+        why = {
+            "--temperature": "the teacher scores at temperature 1; sample at --temperature 1",
+            "--logprobs-on-sampling-support": "the teacher's log-probs are on the full "
+            "vocabulary; drop --logprobs-on-sampling-support",
+            "--opsm-delta": "OPSM masks by the sign of a sequence's advantage, which "
+            "distillation makes per token; drop --opsm-delta",
+            f"--loss {self.objective.loss}": "it takes one advantage per sequence; "
+            "distillation gives one per token (use gspo_token, grpo, ...)",
+        }
+        for flag, refused in refusals.items():
+            if refused:
+                raise ValueError(f"--loss-teacher with {flag}: {why[flag]}")
 
     def _check_colocate(self) -> None:
         """``--colocate``: one phase holds the GPUs at a time (train/colocate.py)."""

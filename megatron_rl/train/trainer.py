@@ -60,6 +60,7 @@ from megatron_rl.train.rollouts.manager import RolloutManager
 from megatron_rl.train.support_logprobs import policy_logprobs
 from megatron_rl.train.sync_wait import SyncWait, remote_sync_timeout_s
 from megatron_rl.train.task import Task, build_task
+from megatron_rl.train.teacher import Teacher, distillation_advantages
 from megatron_rl.train.weight_publisher import PolicyShard, build_weight_publisher
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,12 @@ class Trainer:
         self.fold_first_update = blocker is None
         if blocker is not None and config.objective.first_update_old_logprobs == "update":
             logger.info("old log-probs: every update's from the old-logprob pass (%s)", blocker)
+        # --loss-teacher: the distillation teacher, built beside the policy (train/teacher.py)
+        self.teacher = (
+            Teacher(config.teacher, int(self.hf_config.vocab_size))
+            if config.teacher.enabled
+            else None
+        )
         self.nonfinite = NonFiniteGuard(config.schedule.max_bad_steps)
         self.learning = LearningGuard.from_config(config)
         if self.ranks.is_generator and not remote:
@@ -155,6 +162,10 @@ class Trainer:
             return None
         metrics = batch.metrics
         metrics["time/rollout"] = time.perf_counter() - start
+        if self.teacher is not None:  # every sampled token scored before the updates
+            t = time.perf_counter()
+            metrics.update(self.teacher.annotate(batch.samples))
+            metrics["time/teacher"] = time.perf_counter() - t
         if self.step_index + 1 < self.config.schedule.train_iters:  # not after the run's last step
             self.rollouts.start_next(self.step_index + 1)
         lr = step_lr(self.config.optimizer, self.step_index)
@@ -321,11 +332,21 @@ class Trainer:
             mask, detached = entry["mask"].bool(), logprobs.detach()
             ratios["pi_old"] += log_ratio_counts((detached - entry["old"])[mask])
             ratios["pi_mu"] += log_ratio_counts((detached - mb.rollout_logprobs_BT)[mask])
+            advantages = mb.advantages_B
+            if mb.teacher_logprobs_BT is not None:  # per token (train/teacher.py)
+                advantages = distillation_advantages(
+                    mb.advantages_B,
+                    entry["behaviour"],
+                    mb.teacher_logprobs_BT,
+                    entry["mask"],
+                    kl_coef=self.config.teacher.teacher_kl_coef,
+                    task_weight=self.config.teacher.teacher_task_weight,
+                )
             out = objective(
                 self.objective,
                 logprobs_BT=logprobs,
                 old_logprobs_BT=entry["behaviour"],
-                advantages_B=mb.advantages_B,
+                advantages_B=advantages,
                 loss_mask_BT=entry["mask"],
                 num_tokens=num_tokens,
                 num_seqs=num_seqs,

@@ -27,6 +27,7 @@ from megatron_rl.rollout import SamplingParams
 from megatron_rl.rollout.http_pool import HttpPool, HttpPoolConfig, request_json
 from megatron_rl.rollout.sglang_client import SGLangEngine, SGLangEngineConfig
 from megatron_rl.rollout.weight_sync import WeightSyncConfig, WeightSyncError
+from megatron_rl.train.teacher import Teacher, TeacherConfig
 
 # one worker process runs the whole module (make test: --dist loadgroup): one server start
 pytestmark = [pytest.mark.slow, pytest.mark.real_sglang, pytest.mark.xdist_group("real_sglang")]
@@ -514,6 +515,49 @@ def test_the_trainer_renormalises_on_the_real_servers_supports(server, tmp_path)
     for r in rows:
         assert r["mismatch/train_rollout_logprob_abs_gap"] < 0.05, r
         assert r["rollout/aborted"] == 0
+
+
+def _confident(hf_config, seed: int):
+    """A model of the server's shape with its output layer scaled 8x (peaked distributions)."""
+    model = perturbed(hf_config, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def test_the_server_scores_a_teachers_log_probs(server, hf_config):
+    """``--loss-teacher sglang:URL``: one batched ``/generate`` with ``max_new_tokens = 0`` gives
+    every token's log-prob as an fp32 forward of the served weights does (bf16 server)."""
+    model = perturbed(hf_config, seed=31)
+    with client_for(server, hf_config) as client:
+        client.update_weights(model.named_parameters(), version=client.health().weight_version + 1)
+    teacher = Teacher(TeacherConfig(loss_teacher=f"sglang:{server.url}"), vocab_size=16)
+    sequences = [SEQUENCE, PROMPTS[2], [3, 9]]
+    for ids, got in zip(sequences, teacher.score(sequences), strict=True):
+        want = direct_logprobs(model, ids[:1], ids[1:])
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=BF16_LOGPROB_ATOL, rtol=0)
+
+
+def test_distillation_from_a_teacher_on_the_real_server(server, hf_config, tmp_path):
+    """The real CLI (in-process student engine) distilling from the real server holding a
+    confident teacher: pure distillation brings the sampled reverse KL well down."""
+    model = _confident(hf_config, seed=33)
+    with client_for(server, hf_config) as client:
+        client.update_weights(model.named_parameters(), version=client.health().weight_version + 1)
+    run_dir = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "megatron_rl.train", "--run-dir", str(run_dir), "--device", "cpu",
+        "--no-progress", "--train-iters", "12", "--torch-threads", "1", "--seed", "1",
+        "--loss-teacher", f"sglang:{server.url}", "--teacher-task-weight", "0",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    kl = [r["teacher/reverse_kl_k1"] for r in rows if "teacher/reverse_kl_k1" in r]
+    start, end = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    print(f"distillation from the real server: reverse KL {start:.3f} -> {end:.3f}")
+    assert len(kl) == 12 and start > 0.5 and end < 0.6 * start, kl
 
 
 @pytest.mark.slow
