@@ -171,6 +171,15 @@ STUDY = dataclasses.replace(
             "--loss grpo --clip-low 0.2 --clip-high 0.28 --opsm-delta 1e-4 "
             "--behavior-logprobs rollout"
         ),
+        # on-policy distillation on top of GRPO Clip-Higher, slime's --use-opd default weights
+        # (lambda 1, the task's advantage kept); the teacher is the run's: --loss-teacher DIR or
+        # sglang:URL after the recipe's flags (refused without one)
+        "grpo-opd": _flags(
+            "--loss grpo --clip-low 0.2 --clip-high 0.28 --teacher-kl-coef 1.0 "
+            "--teacher-task-weight 1.0"
+        ),
+        # pure distillation: the teacher's signal alone
+        "opd": _flags("--loss grpo --clip-low 0.2 --clip-high 0.28 --teacher-task-weight 0"),
     },
     protocol=_flags(
         "--temperature 1.0 --top-p 1.0 --n-samples-per-prompt 8 "

@@ -49,6 +49,7 @@ class LearningGuard:
             prompts_per_step=config.rollout.rollout_batch_size,
             reward=config.task.reward,
             temperature=config.rollout.temperature,
+            dense_signal=config.teacher.enabled and config.teacher.kl_coef > 0,
         )
 
     def __init__(
@@ -59,9 +60,12 @@ class LearningGuard:
         prompts_per_step: int,
         reward: str,
         temperature: float,
+        dense_signal: bool = False,
     ) -> None:
         """``prompts_per_step``: groups per step over all ranks (``--rollout-batch-size``);
-        ``reward``, ``temperature``: the flags' values, for the stop message."""
+        ``reward``, ``temperature``: the flags' values, for the stop message; ``dense_signal``:
+        every trained token has a learning signal besides the reward's (a distillation teacher,
+        `megatron_rl.train.teacher`), so equal rewards never stop the run."""
         if max_steps < 0:
             raise ValueError(f"max_steps={max_steps}: must be >= 0 (0: never stop)")
         if not 0.0 <= max_failure_fraction <= 1.0:
@@ -73,7 +77,7 @@ class LearningGuard:
         self.no_signal_limit = max(max_steps, -(-MIN_NO_SIGNAL_PROMPTS // prompts_per_step))
         self.reward = reward
         self.temperature = temperature
-        self.signal_seen = False  # a step with a learning signal happened (checkpointed)
+        self.signal_seen = dense_signal  # a step with a learning signal happened (checkpointed)
         self.no_signal = 0  # steps in a row without signal (checkpointed)
         self.reward_failing = 0  # steps in a row over the failure fraction (checkpointed)
         self.first_error: str | None = None  # set by the trainer when the reward stops the run

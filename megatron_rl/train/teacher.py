@@ -50,12 +50,12 @@ class TeacherConfig:
         "(loaded in-process) or sglang:URL (a server serving it); its per-token reverse KL "
         "enters the advantage (megatron_rl/train/teacher.py)",
     )
-    teacher_kl_coef: float = option(
-        1.0, help="with --loss-teacher: lambda, the weight of the per-token reverse KL"
+    teacher_kl_coef: float | None = option(
+        None, help="with --loss-teacher: lambda, the weight of the per-token reverse KL (1.0)"
     )
-    teacher_task_weight: float = option(
-        1.0,
-        help="with --loss-teacher: w, the weight of the task's group advantage (0: pure "
+    teacher_task_weight: float | None = option(
+        None,
+        help="with --loss-teacher: w, the weight of the task's group advantage (1.0; 0: pure "
         "distillation)",
     )
     teacher_timeout: float = option(
@@ -65,6 +65,10 @@ class TeacherConfig:
     def __post_init__(self) -> None:
         for name in ("teacher_kl_coef", "teacher_task_weight"):
             value = getattr(self, name)
+            if value is None:
+                continue
+            if self.loss_teacher is None:  # e.g. a recipe's distillation arm without a teacher
+                raise bad_value(self, name, "weighs a teacher's signal: pass --loss-teacher too")
             if not (math.isfinite(value) and value >= 0):
                 raise bad_value(self, name, "must be a finite number >= 0")
         if not (math.isfinite(self.teacher_timeout) and self.teacher_timeout > 0):
@@ -86,6 +90,16 @@ class TeacherConfig:
     @property
     def enabled(self) -> bool:
         return self.loss_teacher is not None
+
+    @property
+    def kl_coef(self) -> float:
+        """lambda: ``--teacher-kl-coef``, 1.0 when not given."""
+        return 1.0 if self.teacher_kl_coef is None else self.teacher_kl_coef
+
+    @property
+    def task_weight(self) -> float:
+        """w: ``--teacher-task-weight``, 1.0 when not given."""
+        return 1.0 if self.teacher_task_weight is None else self.teacher_task_weight
 
 
 def distillation_advantages(

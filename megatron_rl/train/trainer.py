@@ -339,8 +339,8 @@ class Trainer:
                     entry["behaviour"],
                     mb.teacher_logprobs_BT,
                     entry["mask"],
-                    kl_coef=self.config.teacher.teacher_kl_coef,
-                    task_weight=self.config.teacher.teacher_task_weight,
+                    kl_coef=self.config.teacher.kl_coef,
+                    task_weight=self.config.teacher.task_weight,
                 )
             out = objective(
                 self.objective,

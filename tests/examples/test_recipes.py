@@ -15,6 +15,7 @@ from megatron_rl.recipes import EPIC_PAPER, RECIPES, VESPO_PAPER, get_recipe, ma
 
 EVAL_DATA = "aime24=/shared/aime24.jsonl aime25=/shared/aime25.jsonl amc23=/shared/amc23.jsonl"
 ARMS = [(name, arm) for name, recipe in RECIPES.items() for arm in recipe.arms]
+TEACHER = "sglang:http://teacher-node:30000"  # a distillation arm's teacher, given by the user
 
 # EPIC Table 2's clipping parameters per arm (loss config field -> value)
 EPIC_TABLE_2 = {
@@ -33,9 +34,13 @@ EPIC_TABLE_2 = {
 
 @pytest.mark.parametrize(("recipe", "arm"), ARMS)
 def test_every_recipe_arm_passes_the_trainer_checks_through_the_launcher(recipe, arm):
-    out = _dry_run(0, RECIPE=recipe, ARM=arm, EVAL_DATA=EVAL_DATA)
+    teacher = {"TRAIN_EXTRA_ARGS": f"--loss-teacher {TEACHER}"} if "opd" in arm else {}
+    out = _dry_run(0, RECIPE=recipe, ARM=arm, EVAL_DATA=EVAL_DATA, **teacher)
     config = _trainer_config(_train_argv(out))
     expected = get_recipe(recipe)
+    assert config.teacher.loss_teacher == (TEACHER if teacher else None)
+    if arm == "opd":
+        assert config.teacher.task_weight == 0.0
     assert config.objective.loss == expected.arms[arm][1]
     assert config.rollout.n_samples_per_prompt == 8 and config.rollout.top_p == 1.0
     assert [s.split("=")[0] for s in EVAL_DATA.split()] == [name for name, _ in _eval_sets(config)]

@@ -67,6 +67,17 @@ def test_after_the_first_signal_equal_rewards_do_not_stop_a_run_that_solved_its_
     assert not resumed.exhausted
 
 
+def test_a_distillation_teachers_dense_signal_never_counts_equal_rewards():
+    guard = LearningGuard(
+        1, 0.5, prompts_per_step=64, reward="mod:fn", temperature=1.0, dense_signal=True
+    )
+    for step in range(1, 5):
+        guard.record(_step(), step=step)
+    assert guard.no_signal == 0 and not guard.exhausted
+    guard.record(_step(failed=1.0), step=5)  # a failing reward still stops it
+    assert guard.reward_exhausted
+
+
 def test_a_resume_mid_streak_stops_at_the_step_the_uninterrupted_run_would():
     """Both streaks are in the checkpoint: 2 no-signal steps and 2 failing steps before the
     save, 1 after it stops the resumed run, as it stops the run that was never interrupted."""

@@ -98,6 +98,9 @@ def test_refusals_name_the_flag_and_the_fix(teacher_dir, tmp_path):
         TeacherConfig(loss_teacher="sglang:localhost:3000")
     with pytest.raises(ValueError, match="teacher_kl_coef"):
         TeacherConfig(loss_teacher=str(teacher_dir), teacher_kl_coef=-1)
+    with pytest.raises(ValueError, match="pass --loss-teacher too"):
+        TeacherConfig(teacher_task_weight=0.0)
+    assert TeacherConfig(loss_teacher=str(teacher_dir)).kl_coef == 1.0
     with pytest.raises(ValueError, match="its vocabulary has 16 tokens, the student's 32"):
         Teacher(TeacherConfig(loss_teacher=str(teacher_dir)), vocab_size=32)
     teacher = TeacherConfig(loss_teacher=str(teacher_dir))
