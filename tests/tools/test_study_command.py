@@ -55,11 +55,13 @@ def test_every_study_arm_command_line_passes_the_trainer_parser():
 
     args = compare_runs.parse_args(list(COMMAND[1:]))
     assert args.losses == list(ARMS) and set(ARMS) < set(STUDY.arms)
-    args.losses = None  # all 13 arms
+    args.losses = None  # all the recipe's arms
     arms, _ = compare_runs.build_grid(args)
     assert [arm.name for arm in arms] == [f"{arm}-N8" for arm in STUDY.arms]
     for arm in arms:
-        config = parse_args([*compare_runs.arm_flags(arm, args), *args.extra])
+        # a distillation arm's teacher is the run's (megatron_rl/recipes.py)
+        teacher = ["--loss-teacher", "sglang:http://teacher:30000"] if "opd" in arm.loss else []
+        config = parse_args([*compare_runs.arm_flags(arm, args), *args.extra, *teacher])
         assert config.objective.loss == STUDY.arms[arm.loss][1], arm.name
         assert config.engine.rollout_router_noise == 0.05 and config.updates_per_rollout == 8
         assert config.replay.mode == REPLAY_MODES.get(arm.loss, "off")

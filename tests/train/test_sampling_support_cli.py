@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +43,7 @@ def _run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, list[dict]]:
     return next(r for r in rows if GAP in r), torch.load(step_file, weights_only=True)["samples"]
 
 
+@pytest.mark.slow  # two CLI runs
 def test_the_trainer_renormalises_on_the_engines_supports(tmp_path):
     row, samples = _run(tmp_path, "support", "--logprobs-on-sampling-support")
     plain_row, plain = _run(tmp_path, "plain")

@@ -222,13 +222,13 @@ def test_non_finite_updates_are_skipped_then_stop_the_run_with_a_checkpoint(tmp_
     import megatron_rl.train.trainer as trainer_module
     from megatron_rl.train.run import TrainingStopped
 
-    real = trainer_module.token_logprobs
+    real = trainer_module.policy_logprobs
 
-    def poisoned(logits, tokens, temperature=1.0):
-        out = real(logits, tokens, temperature)
+    def poisoned(logits, mb, temperature=1.0):
+        out = real(logits, mb, temperature)
         return out * float("nan") if torch.is_grad_enabled() else out  # only the updates
 
-    monkeypatch.setattr(trainer_module, "token_logprobs", poisoned)
+    monkeypatch.setattr(trainer_module, "policy_logprobs", poisoned)
     config = small_config(tmp_path, train_iters=10, max_bad_steps=3, save=str(tmp_path / "ckpt"))
     with pytest.raises(TrainingStopped, match="3 consecutive updates had non-finite"):
         run(config, **rendezvous(tmp_path))
