@@ -21,17 +21,17 @@ def _poisoned_worker(rank, world_size, init_method, tmp_dir, overrides, bad_rank
     import megatron_rl.train.trainer as trainer_module
     from megatron_rl.train.run import run
 
-    real, calls = trainer_module.token_logprobs, []
+    real, calls = trainer_module.policy_logprobs, []
 
-    def poisoned(logits, tokens, temperature=1.0):
-        out = real(logits, tokens, temperature)
+    def poisoned(logits, mb, temperature=1.0):
+        out = real(logits, mb, temperature)
         if torch.is_grad_enabled() and rank == bad_rank:  # update passes only
             calls.append(1)
             if len(calls) == BAD_CALL:
                 return out * float("nan")
         return out
 
-    trainer_module.token_logprobs = poisoned
+    trainer_module.policy_logprobs = poisoned
     config = small_config(
         __import__("pathlib").Path(tmp_dir),
         train_iters=STEPS,
