@@ -59,12 +59,9 @@ from megatron_rl.rollout.route_capture import RouteCapture, moe_gates
 from megatron_rl.rollout.router_noise import RouterNoise
 from megatron_rl.rollout.sampling import (
     LOGPROB_MODES,
-    draw,
-    filter_top_k_top_p,
     row_seed,
     sample_next,
-    support_ids,
-    support_logprobs,
+    sample_on_support,
     token_logprobs,
 )
 from megatron_rl.rollout.types import (
@@ -466,8 +463,12 @@ class InProcessEngine:
                 )
                 logits_BV = out.logits[:, -1].float()
                 if params.return_sampling_support:
-                    next_B, lp_B, step_supports = _sample_on_support(
-                        logits_BV, params, live.generators
+                    next_B, lp_B, step_supports = sample_on_support(
+                        logits_BV,
+                        temperature=params.temperature,
+                        top_k=params.top_k,
+                        top_p=params.top_p,
+                        generators=live.generators,
                     )
                     for b, ids in zip(live.rows.tolist(), step_supports, strict=True):
                         if reasons[b] is None:
@@ -576,17 +577,6 @@ def version_spans(
             continue
         spans.append([version, spans[-1][2] if spans else 0, end])
     return tuple((v, start, end) for v, start, end in spans)
-
-
-def _sample_on_support(logits_BV, params: SamplingParams, generators):
-    """One decoding step with ``return_sampling_support``: the tokens int64 [B], their
-    log-probs under the renormalised support float32 [B], and each row's support ids."""
-    if params.temperature == 0:  # greedy: the argmax alone, drawn with probability 1
-        next_B = logits_BV.argmax(dim=-1)
-        return next_B, torch.zeros(next_B.shape), [t.view(1).to(torch.int32) for t in next_B]
-    filtered_BV = filter_top_k_top_p(logits_BV / params.temperature, params.top_k, params.top_p)
-    next_B = draw(filtered_BV, generators)
-    return next_B, support_logprobs(filtered_BV, next_B), support_ids(filtered_BV)
 
 
 def _record(rows, next_B, lp_B, tokens, logprobs, reasons, stop, max_new_tokens) -> None:

@@ -120,6 +120,26 @@ def draw(filtered_BV: torch.Tensor, generators: Sequence[torch.Generator] | None
     return (filtered_BV + gumbel_BV).argmax(dim=-1)
 
 
+def sample_on_support(
+    logits_BV: torch.Tensor,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generators: Sequence[torch.Generator] | None,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """`sample_next` with its support: the tokens int64 [B], their log-probs under the
+    renormalised support float32 [B] (`support_logprobs`) and each row's support ids
+    (`support_ids`); greedy: the argmax alone, drawn with probability 1."""
+    logits_BV = logits_BV.float()
+    if temperature == 0:
+        next_B = logits_BV.argmax(dim=-1)
+        return next_B, torch.zeros(next_B.shape), [t.view(1).to(torch.int32) for t in next_B]
+    filtered_BV = filter_top_k_top_p(logits_BV / temperature, top_k, top_p)
+    next_B = draw(filtered_BV, generators)
+    return next_B, support_logprobs(filtered_BV, next_B), support_ids(filtered_BV)
+
+
 def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
     """The seed of one (prompt, sample) under batch seed ``seed`` (SGLang's ``sampling_seed``)."""
     return (seed * 1_000_003 + prompt_index * 65_537 + sample_index) % (2**31 - 1)
