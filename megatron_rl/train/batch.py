@@ -12,6 +12,7 @@ position (`megatron_rl.train.token_versions`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,9 @@ class TrainSample:
     support_RK: torch.Tensor | None = None
     # float32 [R]: the --loss-teacher's log-prob of each response token (None: no teacher)
     teacher_logprobs: torch.Tensor | None = None
+    # --teacher-topk K: (float32 [R, K] log-probs, int32 [R, K] ids) of the teacher's K most
+    # likely tokens at each response token's position (ids -1 padded); None otherwise
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def length(self) -> int:
@@ -72,22 +76,19 @@ class MicroBatch:
     # float32 [b, s - 1]: the teacher's log-prob of each predicted response token, 0 elsewhere
     # (`megatron_rl.train.teacher`); None without --loss-teacher
     teacher_logprobs_BT: torch.Tensor | None = None
+    # --teacher-topk: int64 ids [b, s - 1, K] (-1 elsewhere) and float32 log-probs [b, s - 1, K]
+    # (0 elsewhere) of the teacher's top K at each predicted response token
+    # (`megatron_rl.train.distillation_kl`); None otherwise
+    teacher_topk_ids_BTK: torch.Tensor | None = None
+    teacher_topk_logprobs_BTK: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """This micro-batch with every tensor on ``device`` (the model's); samples stay put."""
-        return MicroBatch(
-            tokens_BS=self.tokens_BS.to(device),
-            loss_mask_BT=self.loss_mask_BT.to(device),
-            rollout_logprobs_BT=self.rollout_logprobs_BT.to(device),
-            token_versions_BT=self.token_versions_BT.to(device),
-            advantages_B=self.advantages_B.to(device),
-            lengths=self.lengths,
-            samples=self.samples,
-            support_BTK=None if self.support_BTK is None else self.support_BTK.to(device),
-            teacher_logprobs_BT=None
-            if self.teacher_logprobs_BT is None
-            else self.teacher_logprobs_BT.to(device),
-        )
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            fields[f.name] = value.to(device) if torch.is_tensor(value) else value
+        return MicroBatch(**fields)
 
     def routed(self) -> RoutedMicroBatch:
         """What routing replay needs: row lengths, width and the engine's routes per row."""
@@ -159,6 +160,16 @@ def make_micro_batch(
             raise ValueError(f"samples {missing[:8]} have no teacher log-probs while others do")
         teacher = torch.zeros(batch, seq - 1, dtype=torch.float32)
         teacher[rows, cols] = torch.cat([s.teacher_logprobs for s in samples]).float()
+    top_ids = top_logprobs = None
+    if any(s.teacher_topk is not None for s in samples):
+        missing = [i for i, s in enumerate(samples) if s.teacher_topk is None]
+        if missing:
+            raise ValueError(f"samples {missing[:8]} have no teacher top-K while others do")
+        width = samples[0].teacher_topk[1].shape[1]
+        top_ids = torch.full((batch, seq - 1, width), -1, dtype=torch.int64)
+        top_ids[rows, cols] = torch.cat([s.teacher_topk[1] for s in samples]).to(torch.int64)
+        top_logprobs = torch.zeros(batch, seq - 1, width, dtype=torch.float32)
+        top_logprobs[rows, cols] = torch.cat([s.teacher_topk[0] for s in samples]).float()
     return MicroBatch(
         tokens_BS=tokens,
         loss_mask_BT=mask,
@@ -169,6 +180,8 @@ def make_micro_batch(
         samples=list(samples),
         support_BTK=support,
         teacher_logprobs_BT=teacher,
+        teacher_topk_ids_BTK=top_ids,
+        teacher_topk_logprobs_BTK=top_logprobs,
     )
 
 
@@ -251,9 +264,17 @@ def merge_micro_batches(parts: Sequence[MicroBatch], pad_id: int = 0) -> MicroBa
                 for t in supports
             ]
         )
-    teachers = [mb.teacher_logprobs_BT for mb in parts]
-    if any(t is not None for t in teachers) and any(t is None for t in teachers):
-        raise ValueError("merge_micro_batches: some parts carry teacher log-probs, some not")
+    for field in ("teacher_logprobs_BT", "teacher_topk_ids_BTK"):
+        present = [getattr(mb, field) is not None for mb in parts]
+        if any(present) and not all(present):
+            raise ValueError(f"merge_micro_batches: some parts carry {field}, some not")
+    has_teacher, has_topk = parts[0].teacher_logprobs_BT is not None, present[0]
+
+    def cat_rows(field: str, value) -> torch.Tensor:  # [b, s - 1, K] parts padded to width - 1
+        pad = torch.nn.functional.pad
+        tensors = [getattr(mb, field) for mb in parts]
+        return torch.cat([pad(t, (0, 0, 0, width - 1 - t.shape[1]), value=value) for t in tensors])
+
     return MicroBatch(
         tokens_BS=cat("tokens_BS", pad_id, width),
         loss_mask_BT=cat("loss_mask_BT", False, width - 1),
@@ -263,9 +284,9 @@ def merge_micro_batches(parts: Sequence[MicroBatch], pad_id: int = 0) -> MicroBa
         lengths=[n for mb in parts for n in mb.lengths],
         samples=[s for mb in parts for s in mb.samples],
         support_BTK=support,
-        teacher_logprobs_BT=None
-        if teachers[0] is None
-        else cat("teacher_logprobs_BT", 0.0, width - 1),
+        teacher_logprobs_BT=cat("teacher_logprobs_BT", 0.0, width - 1) if has_teacher else None,
+        teacher_topk_ids_BTK=cat_rows("teacher_topk_ids_BTK", -1) if has_topk else None,
+        teacher_topk_logprobs_BTK=cat_rows("teacher_topk_logprobs_BTK", 0.0) if has_topk else None,
     )
 
 

@@ -202,8 +202,10 @@ class TrainConfig:
         refusals = {
             "--temperature": self.rollout.temperature != 1.0,
             "--logprobs-on-sampling-support": self.rollout.logprobs_on_sampling_support,
-            "--opsm-delta": self.objective.opsm_delta is not None,
-            f"--loss {self.objective.loss}": spec.sequence_advantages,
+            # the sampled token's KL makes the advantage per token; the top-K KL is a loss term
+            "--opsm-delta": self.objective.opsm_delta is not None and not self.teacher.teacher_topk,
+            f"--loss {self.objective.loss}": spec.sequence_advantages
+            and not self.teacher.teacher_topk,
         }
         why = {
             "--temperature": "the teacher scores at temperature 1; sample at --temperature 1",
@@ -212,7 +214,7 @@ class TrainConfig:
             "--opsm-delta": "OPSM masks by the sign of a sequence's advantage, which "
             "distillation makes per token; drop --opsm-delta",
             f"--loss {self.objective.loss}": "it takes one advantage per sequence; "
-            "distillation gives one per token (use gspo_token, grpo, ...)",
+            "distillation gives one per token (use gspo_token, grpo, ... or --teacher-topk K)",
         }
         for flag, refused in refusals.items():
             if refused:

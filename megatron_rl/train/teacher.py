@@ -38,6 +38,7 @@ from megatron_rl.flags import bad_value, option
 from megatron_rl.train.batch import trained_tokens
 
 SGLANG_PREFIX = "sglang:"
+KL_TYPES = ("forward", "reverse", "mixed")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +62,21 @@ class TeacherConfig:
     teacher_timeout: float = option(
         600.0, help="with --loss-teacher sglang:URL: seconds one scoring request may take"
     )
+    teacher_topk: int = option(
+        0,
+        help="with --loss-teacher: K > 0 replaces the sampled token's reverse-KL advantage by a "
+        "KL loss term over the teacher's K most likely tokens at every response position "
+        "(NeMo-RL's distillation loss; K = the vocabulary size: the exact KL); 0: off",
+    )
+    teacher_kl_type: str | None = option(
+        None,
+        choices=KL_TYPES,
+        help="with --teacher-topk: forward KL(teacher || student) (the default), reverse "
+        "KL(student || teacher), or mixed (--teacher-mixed-kl-weight of forward)",
+    )
+    teacher_mixed_kl_weight: float | None = option(
+        None, help="with --teacher-kl-type mixed: alpha, the forward KL's weight (0.5)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("teacher_kl_coef", "teacher_task_weight"):
@@ -73,6 +89,22 @@ class TeacherConfig:
                 raise bad_value(self, name, "must be a finite number >= 0")
         if not (math.isfinite(self.teacher_timeout) and self.teacher_timeout > 0):
             raise bad_value(self, "teacher_timeout", "must be a number of seconds > 0")
+        if self.teacher_topk < 0:
+            raise bad_value(self, "teacher_topk", "must be >= 0 (0: the sampled token's KL)")
+        if self.teacher_topk and self.loss_teacher is None:
+            raise bad_value(self, "teacher_topk", "distils from a teacher: pass --loss-teacher too")
+        if self.teacher_kl_type is not None and not self.teacher_topk:
+            raise bad_value(self, "teacher_kl_type", "shapes the top-K KL: pass --teacher-topk K")
+        if self.teacher_kl_type not in (None, *KL_TYPES):
+            raise bad_value(self, "teacher_kl_type", f"must be one of {', '.join(KL_TYPES)}")
+        weight = self.teacher_mixed_kl_weight
+        if weight is not None:
+            if self.teacher_kl_type != "mixed":
+                raise bad_value(
+                    self, "teacher_mixed_kl_weight", "weighs --teacher-kl-type mixed: pass it too"
+                )
+            if not (0.0 <= weight <= 1.0):
+                raise bad_value(self, "teacher_mixed_kl_weight", "must be in [0, 1]")
         teacher = self.loss_teacher
         if teacher is None:
             return
@@ -100,6 +132,16 @@ class TeacherConfig:
     def task_weight(self) -> float:
         """w: ``--teacher-task-weight``, 1.0 when not given."""
         return 1.0 if self.teacher_task_weight is None else self.teacher_task_weight
+
+    @property
+    def kl_type(self) -> str:
+        """``--teacher-kl-type``, forward when not given (NeMo-RL's default)."""
+        return self.teacher_kl_type or "forward"
+
+    @property
+    def mixed_kl_weight(self) -> float:
+        """alpha: ``--teacher-mixed-kl-weight``, 0.5 when not given."""
+        return 0.5 if self.teacher_mixed_kl_weight is None else self.teacher_mixed_kl_weight
 
 
 def distillation_advantages(
@@ -146,6 +188,11 @@ class Teacher:
                     f"{vocab_size}; distillation compares log-probs of the same token ids, so the "
                     "teacher needs the student's tokenizer"
                 )
+        if config.teacher_topk > vocab_size:
+            raise ValueError(
+                f"--teacher-topk {config.teacher_topk}: the vocabulary has {vocab_size} tokens; "
+                f"K = {vocab_size} is already the exact KL"
+            )
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """float32 ``[S - 1]`` per sequence: ``log p_teacher(s[i + 1] | s[: i + 1])``, T = 1."""
@@ -153,7 +200,25 @@ class Teacher:
             return [self.engine.score(ids) for ids in sequences]
         return self._score_remote(sequences)
 
-    def _score_remote(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def score_topk(self, sequences: Sequence[Sequence[int]], k: int) -> list[tuple]:
+        """Per sequence: the float32 ``[S - 1]`` of `score`, and float32 log-probs and int32 ids
+        ``[S - 1, k]`` of the teacher's ``k`` most likely tokens after each prefix
+        ``s[: i + 1]`` (T = 1, log-probs descending)."""
+        if self.engine is None:
+            return self._score_topk_remote(sequences, k)
+        out = []
+        with torch.inference_mode():
+            for ids in sequences:
+                ids_1S = torch.tensor([list(ids)], device=self.engine.config.device)
+                logits_SV = self.engine.model(input_ids=ids_1S).logits[0, :-1].float()
+                logp_SV = torch.log_softmax(logits_SV, dim=-1)
+                values, top = logp_SV.topk(k, dim=-1)
+                sampled = logp_SV.gather(-1, ids_1S[0, 1:, None]).squeeze(-1)
+                out.append((sampled.cpu(), values.cpu(), top.to(torch.int32).cpu()))
+        return out
+
+    def _generate(self, sequences: Sequence[Sequence[int]], **extra) -> list[dict]:
+        """The server's ``meta_info`` per sequence: one ``/generate`` scoring them all."""
         from megatron_rl.rollout.http_pool import request_json
 
         payload = {
@@ -161,6 +226,7 @@ class Teacher:
             "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
             "return_logprob": True,
             "logprob_start_len": 0,
+            **extra,
         }
         status, body = request_json(
             self.url, "POST", "/generate", payload, timeout_s=self.config.teacher_timeout
@@ -170,9 +236,38 @@ class Teacher:
                 f"--loss-teacher {self.config.loss_teacher}: scoring {len(sequences)} sequences "
                 f"answered {status}: {str(body)[:300]}"
             )
+        return [answer.get("meta_info", {}) for answer in body]
+
+    def _score_topk_remote(self, sequences, k: int) -> list[tuple]:
         out = []
-        for k, (ids, answer) in enumerate(zip(sequences, body, strict=True)):
-            entries = answer.get("meta_info", {}).get("input_token_logprobs")
+        metas = self._generate(sequences, top_logprobs_num=k)
+        sampled = self._token_logprobs(sequences, metas)
+        for n, (ids, meta) in enumerate(zip(sequences, metas, strict=True)):
+            rows = meta.get("input_top_logprobs")
+            if not isinstance(rows, list) or len(rows) != len(ids):
+                raise RuntimeError(
+                    f"--loss-teacher --teacher-topk {k}: sequence {n} of {len(ids)} tokens got "
+                    f"{len(rows) if isinstance(rows, list) else rows} rows of top log-probs"
+                )
+            values = torch.full((len(ids) - 1, k), float("-inf"))
+            top = torch.full((len(ids) - 1, k), -1, dtype=torch.int32)
+            for i, row in enumerate(rows[1:]):  # row i: the candidates after ids[: i + 1]
+                entries = sorted(row or [], key=lambda e: -float(e[0]))[:k]
+                if not entries:
+                    raise RuntimeError(f"--teacher-topk: no candidates at position {i + 1}")
+                values[i, : len(entries)] = torch.tensor([float(e[0]) for e in entries])
+                top[i, : len(entries)] = torch.tensor([int(e[1]) for e in entries])
+            out.append((sampled[n], values, top))
+        return out
+
+    def _score_remote(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        return self._token_logprobs(sequences, self._generate(sequences))
+
+    def _token_logprobs(self, sequences, metas: list[dict]) -> list[torch.Tensor]:
+        """float32 ``[S - 1]`` per sequence from the server's ``input_token_logprobs``."""
+        out = []
+        for k, (ids, meta) in enumerate(zip(sequences, metas, strict=True)):
+            entries = meta.get("input_token_logprobs")
             if not isinstance(entries, list) or len(entries) != len(ids):
                 raise RuntimeError(
                     f"--loss-teacher: sequence {k} of {len(ids)} tokens got "
@@ -182,19 +277,32 @@ class Teacher:
         return out
 
     def annotate(self, samples: list) -> dict[str, float]:
-        """Set every `TrainSample`'s ``teacher_logprobs`` (float32 ``[R]``); returns the
-        metrics ``teacher/logprob`` (mean over trained tokens) and ``teacher/reverse_kl_k1``
-        (mean of ``log mu - log pi_teacher``, the engine's log-probs: the rollout's KL)."""
+        """Set every `TrainSample`'s ``teacher_logprobs`` (float32 ``[R]``) and, with
+        ``--teacher-topk K``, its ``teacher_topk`` (log-probs float32 ``[R, K]``, ids int32
+        ``[R, K]``); returns the metrics ``teacher/logprob`` (mean over trained tokens) and
+        ``teacher/reverse_kl_k1`` (mean of ``log mu - log pi_teacher``, the engine's log-probs:
+        the rollout's KL)."""
         todo = [s for s in samples if s.teacher_logprobs is None]
-        scores = self.score([s.prompt_ids.tolist() + s.response_ids.tolist() for s in todo])
-        for sample, score in zip(todo, scores, strict=True):
-            sample.teacher_logprobs = score[sample.prompt_ids.numel() - 1 :]
+        sequences = [s.prompt_ids.tolist() + s.response_ids.tolist() for s in todo]
+        k = self.config.teacher_topk
+        if k:  # the sampled token's log-prob too (the metrics): one pass gives both
+            scored = self.score_topk(sequences, k)
+        else:
+            scored = [(score, None, None) for score in self.score(sequences)]
+        for sample, (score, values, ids) in zip(todo, scored, strict=True):
+            first = sample.prompt_ids.numel() - 1
+            sample.teacher_logprobs = score[first:]
+            if values is not None:
+                sample.teacher_topk = (values[first:], ids[first:])
         teacher, gap = [], []
         for s in samples:
             mask = trained_tokens(s)
             teacher.append(s.teacher_logprobs[mask])
             gap.append((s.rollout_logprobs - s.teacher_logprobs)[mask])
         teacher, gap = torch.cat(teacher), torch.cat(gap)
+        tops = [s.teacher_topk[0] for s in todo if s.teacher_topk is not None]
+        if torch.isnan(teacher).any() or any(torch.isnan(t).any() for t in tops):
+            raise ValueError(f"--loss-teacher {self.config.loss_teacher}: a NaN log-prob")
         count = max(teacher.numel(), 1)
         return {
             "teacher/logprob": float(teacher.sum()) / count,

@@ -45,6 +45,7 @@ from megatron_rl.threads import configure_threads
 from megatron_rl.train.batch import MicroBatch, TrainSample
 from megatron_rl.train.colocate import Colocation, release_generation_memory
 from megatron_rl.train.config import TrainConfig
+from megatron_rl.train.distillation_kl import topk_kl
 from megatron_rl.train.learning_guard import LearningGuard
 from megatron_rl.train.minibatches import plan_minibatches
 from megatron_rl.train.nonfinite import NonFiniteGuard
@@ -332,15 +333,17 @@ class Trainer:
             mask, detached = entry["mask"].bool(), logprobs.detach()
             ratios["pi_old"] += log_ratio_counts((detached - entry["old"])[mask])
             ratios["pi_mu"] += log_ratio_counts((detached - mb.rollout_logprobs_BT)[mask])
-            advantages = mb.advantages_B
-            if mb.teacher_logprobs_BT is not None:  # per token (train/teacher.py)
+            advantages, teacher = mb.advantages_B, self.config.teacher
+            if mb.teacher_topk_ids_BTK is not None:  # a KL loss term (train/distillation_kl.py)
+                advantages = teacher.task_weight * mb.advantages_B
+            elif mb.teacher_logprobs_BT is not None:  # per token (train/teacher.py)
                 advantages = distillation_advantages(
                     mb.advantages_B,
                     entry["behaviour"],
                     mb.teacher_logprobs_BT,
                     entry["mask"],
-                    kl_coef=self.config.teacher.kl_coef,
-                    task_weight=self.config.teacher.task_weight,
+                    kl_coef=teacher.kl_coef,
+                    task_weight=teacher.task_weight,
                 )
             out = objective(
                 self.objective,
@@ -354,8 +357,20 @@ class Trainer:
                 ref_logprobs_BT=entry.get("ref"),
             )
             out.metrics.update(entry.get("correction_metrics", {}))
+            loss = out.loss
+            if mb.teacher_topk_ids_BTK is not None:
+                kl_BT = topk_kl(
+                    logits,
+                    mb.teacher_topk_ids_BTK,
+                    mb.teacher_topk_logprobs_BTK,
+                    teacher.kl_type,
+                    teacher.mixed_kl_weight,
+                )
+                kl_sum = (kl_BT * mask).sum()
+                loss = loss + teacher.kl_coef * kl_sum / num_tokens
+                out.metrics["teacher/topk_kl"] = kl_sum.detach() / mask.sum().clamp(min=1)
             loss_metrics.append(out.metrics)
-            return out.loss * self.ranks.dp
+            return loss * self.ranks.dp
 
         keys = [(j, i) for i in range(len(minibatch))]
         run_pass(self.model, minibatch, keys, self.replay, on_logits, phase="update")

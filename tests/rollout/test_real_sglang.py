@@ -539,9 +539,38 @@ def test_the_server_scores_a_teachers_log_probs(server, hf_config):
         torch.testing.assert_close(got, want, atol=BF16_LOGPROB_ATOL, rtol=0)
 
 
-def test_distillation_from_a_teacher_on_the_real_server(server, hf_config, tmp_path):
+def test_the_server_gives_a_teachers_top_k(server, hf_config):
+    """``--teacher-topk 5`` against the server: ``top_logprobs_num`` over the input gives, per
+    position, 5 candidates that are an fp32 forward's top 5 up to bf16 rounding (a near tie may
+    swap which of two ids is 5th), their log-probs as the forward's, and the sampled token's."""
+    model = perturbed(hf_config, seed=32)
+    with client_for(server, hf_config) as client:
+        client.update_weights(model.named_parameters(), version=client.health().weight_version + 1)
+    config = TeacherConfig(loss_teacher=f"sglang:{server.url}", teacher_topk=5)
+    teacher = Teacher(config, vocab_size=16)
+    sequences = [SEQUENCE, PROMPTS[2], [3, 9]]
+    for ids, (sampled, values, top) in zip(
+        sequences, teacher.score_topk(sequences, 5), strict=True
+    ):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        assert values.shape == top.shape == (len(ids) - 1, 5) and (top >= 0).all()
+        torch.testing.assert_close(
+            values, logp.gather(-1, top.long()), atol=BF16_LOGPROB_ATOL, rtol=0
+        )
+        fifth = logp.topk(5, dim=-1).values[:, -1:]
+        assert (logp.gather(-1, top.long()) >= fifth - 2 * BF16_LOGPROB_ATOL).all()
+        want = logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        torch.testing.assert_close(sampled, want, atol=BF16_LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("topk", [None, "16"])
+def test_distillation_from_a_teacher_on_the_real_server(server, hf_config, tmp_path, topk):
     """The real CLI (in-process student engine) distilling from the real server holding a
-    confident teacher: pure distillation brings the sampled reverse KL well down."""
+    confident teacher: pure distillation brings the sampled reverse KL well down, with the
+    sampled token's KL as the advantage and with the exact KL over the server's top 16 (the
+    whole vocabulary) as a loss term."""
     model = _confident(hf_config, seed=33)
     with client_for(server, hf_config) as client:
         client.update_weights(model.named_parameters(), version=client.health().weight_version + 1)
@@ -551,12 +580,13 @@ def test_distillation_from_a_teacher_on_the_real_server(server, hf_config, tmp_p
         "--no-progress", "--train-iters", "12", "--torch-threads", "1", "--seed", "1",
         "--loss-teacher", f"sglang:{server.url}", "--teacher-task-weight", "0",
     ]  # fmt: skip
+    command += ["--teacher-topk", topk] if topk else []
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     kl = [r["teacher/reverse_kl_k1"] for r in rows if "teacher/reverse_kl_k1" in r]
     start, end = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
-    print(f"distillation from the real server: reverse KL {start:.3f} -> {end:.3f}")
+    print(f"distillation from the real server (top-K {topk}): reverse KL {start:.3f} -> {end:.3f}")
     assert len(kl) == 12 and start > 0.5 and end < 0.6 * start, kl
 
 
