@@ -1,0 +1,62 @@
+"""Install LoRA adapters on a built megatron model (`add_adapters`) and freeze everything else.
+
+Run it before megatron's DDP wraps the model: DDP allocates gradient buffers, and the optimizer
+state, only for parameters that require a gradient, so the frozen base has neither. Routers are
+never adapted (they are no target), so R2/R3 replay records and replays the same routes.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from megatron_rl.lora.config import LoRAConfig
+from megatron_rl.lora.layers import COLUMN, ROW, LoRALinear
+
+
+def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> list[str]:
+    """Wrap every target layer of ``model`` in a `LoRALinear` (in place) and freeze all other
+    parameters; returns the wrapped layers' names. A target that is neither a column- nor a
+    row-parallel linear layer is a TypeError naming it (a spec this module does not know)."""
+    suffixes = config.target_modules()
+    wrapped: list[str] = []
+    for name, module in list(model.named_modules()):
+        if not any(name.endswith("." + s) for s in suffixes):
+            continue
+        if isinstance(module, LoRALinear):
+            raise ValueError(f"{name} already has an adapter")
+        if isinstance(module, ColumnParallelLinear):
+            kind = COLUMN
+        elif isinstance(module, RowParallelLinear):
+            kind = ROW
+        else:
+            raise TypeError(
+                f"LoRA target {name} is a {type(module).__name__}, not megatron's column- or "
+                "row-parallel linear layer; drop it from --lora-targets"
+            )
+        adapter = LoRALinear(
+            module,
+            kind,
+            name=name,
+            rank=config.lora_rank,
+            alpha=config.lora_alpha,
+            dropout=config.lora_dropout,
+            seed=seed,
+            sequence_parallel=bool(getattr(module, "sequence_parallel", False)),
+        )
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, adapter)
+        wrapped.append(name)
+    if not wrapped:
+        raise ValueError(
+            f"--lora-targets {config.lora_targets}: no layer of this model matches "
+            f"({', '.join(suffixes)}); choose targets the family has"
+        )
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_A" in name or ".lora_B" in name)
+    return wrapped
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of this rank's adapter parameters (detached), by parameter name."""
+    return {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
