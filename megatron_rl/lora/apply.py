@@ -60,3 +60,26 @@ def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> list[
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``{name: tensor}`` of this rank's adapter parameters (detached), by parameter name."""
     return {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` as a model without adapters names it, with every adapted weight
+    merged (``W + (alpha / r) B A``, this rank's shard); the model's own state dict when it has
+    no adapter."""
+    state = model.state_dict()
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            unwrap_entries(state, f"{prefix}.", module)
+    return state
+
+
+def unwrap_entries(entries: dict, dotted: str, module: LoRALinear) -> None:
+    """In place: ``entries``' names under the adapted layer ``dotted`` (``<layer>.``) as the
+    unadapted layer's (``<layer>.base.<x>`` -> ``<layer>.<x>``), its adapters dropped and its
+    weight merged (a computed tensor: writing into it changes no parameter)."""
+    for key in [k for k in entries if k.startswith(dotted)]:
+        value = entries.pop(key)
+        rest = key[len(dotted) :]
+        if rest.startswith("base."):
+            entries[dotted + rest[len("base.") :]] = value
+    entries[dotted + "weight"] = module.merged_weight()

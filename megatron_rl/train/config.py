@@ -24,6 +24,7 @@ from functools import partial
 
 from megatron_rl.backend.optimizer_config import OptimizerConfig
 from megatron_rl.flags import add_section, derived_fields, flat_names, section_values
+from megatron_rl.lora.config import LoRAConfig
 from megatron_rl.losses import available_losses, get_loss_spec
 from megatron_rl.model.options import ModelOptions
 from megatron_rl.parallel import ParallelConfig
@@ -54,6 +55,7 @@ SECTIONS = {
     ),
     "objective": ("RL objective", ObjectiveConfig, {}),
     "teacher": ("on-policy distillation", TeacherConfig, {}),
+    "lora": ("low-rank adapters (LoRA)", LoRAConfig, {}),
     "replay": ("routing replay", ReplayConfig, {}),
     "rollout": ("rollout", RolloutConfig, {}),
     "engine": ("rollout engine and weight sync", EngineConfig, {}),
@@ -83,6 +85,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=partial(_section, "optimizer"))
     objective: ObjectiveConfig = field(default_factory=partial(_section, "objective"))
     teacher: TeacherConfig = field(default_factory=partial(_section, "teacher"))
+    lora: LoRAConfig = field(default_factory=partial(_section, "lora"))
     replay: ReplayConfig = field(default_factory=partial(_section, "replay"))
     rollout: RolloutConfig = field(default_factory=partial(_section, "rollout"))
     engine: EngineConfig = field(default_factory=partial(_section, "engine"))
@@ -179,6 +182,12 @@ class TrainConfig:
             )
         self._check_colocate()
         self._check_teacher()
+        if self.lora.enabled and self.checkpoint.ckpt_format == "torch_dist":
+            raise ValueError(
+                "--lora-rank with --ckpt-format torch_dist: the adapters have no sharded "
+                "checkpoint layout yet (issue 54); use --ckpt-format torch (resume at the same "
+                "layout)"
+            )
         samples, batch = self.rollout.samples_per_rollout, self.schedule.global_batch_size
         if samples % batch:
             raise ValueError(

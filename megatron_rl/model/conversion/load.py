@@ -100,8 +100,11 @@ def weight_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     a serialised blob): they have no HF name and are not weights, so they are left out. Grouped
     experts (`TorchGroupedMLP`) hold each layer's experts in two stacked tensors; they appear as
     one view per expert and projection (`expert_weight_views`), so conversion and weight sync see
-    the per-expert tensors every other layout has.
+    the per-expert tensors every other layout has. An adapted layer (`megatron_rl.lora`)
+    appears as the unadapted one, its weight merged: ``W + (alpha / r) B A``.
     """
+    from megatron_rl.lora.apply import unwrap_entries
+    from megatron_rl.lora.layers import LoRALinear
     from megatron_rl.model.grouped_experts import TorchGroupedMLP, expert_weight_views
 
     entries = {
@@ -114,6 +117,8 @@ def weight_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             dotted = f"{prefix}." if prefix else ""
             del entries[f"{dotted}weight1"], entries[f"{dotted}weight2"]
             entries.update(expert_weight_views(module, dotted))
+        elif isinstance(module, LoRALinear):  # exported and synced merged (megatron_rl/lora)
+            unwrap_entries(entries, f"{prefix}.", module)
     return entries
 
 
@@ -172,6 +177,13 @@ def copy_full_tensors(
     Every shard is computed and checked against its parameter's shape before the first weight
     is written, so a failure leaves the model as it was. Returns the number of tensors copied.
     """
+    from megatron_rl.lora.layers import LoRALinear
+
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise RuntimeError(
+            "load the base checkpoint before adding LoRA adapters: an adapted layer's weight "
+            "entry is the merged W + (alpha / r) B A, not a parameter to copy into"
+        )
     rank = model_rank_layout(model)
     maps = rank_tensor_maps(cfg, model_layout_name(model), rank)
     params = weight_entries(model)
