@@ -88,3 +88,14 @@ def test_config_and_targets_are_checked(ws1):
     model = _model("tiny")  # Qwen3-MoE has no dense MLP layer
     with pytest.raises(ValueError, match="no layer of this model matches"):
         add_adapters(model, LoRAConfig(lora_rank=4, lora_targets="dense_mlp"), seed=1)
+
+
+def test_sharded_checkpoints_are_refused_with_adapters_for_now():
+    from megatron_rl.train.checkpoint.config import CheckpointConfig
+    from megatron_rl.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--lora-rank with --ckpt-format torch_dist"):
+        TrainConfig(
+            lora=LoRAConfig(lora_rank=4), checkpoint=CheckpointConfig(ckpt_format="torch_dist")
+        )
+    TrainConfig(lora=LoRAConfig(lora_rank=4))
