@@ -58,6 +58,9 @@ setup(
             "pytest>=8,<9.2",
             "pytest-xdist>=3.5",
             "hypothesis>=6.100",
+            # the LoRA export is checked by loading it with PEFT (tests/lora/test_peft_export.py);
+            # 0.21's MoE target conversion is pinned there, so a new minor release is re-checked
+            "peft>=0.21,<0.22",
             "ruff==0.17.6",
             "build>=1.2",
         ],

@@ -67,7 +67,7 @@ class CheckpointReader:
         return self._handle(name).get_tensor(name)
 
 
-def _atomic_save(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
+def atomic_save_file(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> None:
     folder = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
     os.close(fd)
@@ -103,7 +103,7 @@ def write_checkpoint(
     total = 0
     for bucket in _buckets(tensors, max_shard_bytes):
         tmp_name = f".part-{len(temp_names):05d}.safetensors"
-        _atomic_save(bucket, os.path.join(folder, tmp_name), metadata)
+        atomic_save_file(bucket, os.path.join(folder, tmp_name), metadata)
         temp_names.append((tmp_name, list(bucket)))
         total += sum(t.numel() * t.element_size() for t in bucket.values())
     if not temp_names:
