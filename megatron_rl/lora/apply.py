@@ -37,7 +37,7 @@ def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> list[
         adapter = LoRALinear(
             module,
             kind,
-            name=name,
+            name=global_layer_name(model, name),
             rank=config.lora_rank,
             alpha=config.lora_alpha,
             dropout=config.lora_dropout,
@@ -55,6 +55,20 @@ def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> list[
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_A" in name or ".lora_B" in name)
     return wrapped
+
+
+def global_layer_name(model: torch.nn.Module, name: str) -> str:
+    """``name`` with its stage-local ``decoder.layers.<i>`` as the global layer (megatron's
+    ``layer_number``, 1-based), so a pipeline stage seeds the same ``A`` as world 1."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            layer = model.get_submodule(".".join(parts[: i + 2]))
+            number = getattr(layer, "layer_number", None)
+            if number is not None:
+                parts[i + 1] = str(number - 1)
+            break
+    return ".".join(parts)
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
