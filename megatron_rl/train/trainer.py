@@ -36,6 +36,7 @@ from megatron_rl.collectives import (
     mean_over_ranks,
     sum_over_ranks,
 )
+from megatron_rl.lora.checkpoint import base_identity, check_same_base
 from megatron_rl.losses.clip_positions import clip_profile_from_counts
 from megatron_rl.moe_layers import moe_layer_numbers, num_routed_experts
 from megatron_rl.rollout.build import ready_engine
@@ -102,6 +103,11 @@ class Trainer:
                 self.engine if self.pushes_weights else None, device=self.device
             )
         self.model, self.optimizer = build_policy(config, self.hf_config, task.checkpoint_dir)
+        self.lora_base = (  # the base a LoRA checkpoint's adapters must resume on
+            base_identity(task.checkpoint_dir, self.hf_config, config.parallel.seed)
+            if config.lora.enabled
+            else None
+        )
         self.objective = config.objective
         self.reference = build_reference(config, self.hf_config, self.model.module, self.device)
         self.replay = self._build_replay()
@@ -415,9 +421,13 @@ class Trainer:
             "config": _jsonable(dataclasses.asdict(self.config)),
         }
         state.update(self.rollouts.state_dict(self.step_index))
+        if self.lora_base is not None:
+            state["lora_base"] = self.lora_base
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        if self.lora_base is not None:
+            check_same_base(state.get("lora_base"), self.lora_base)
         self.step_index = int(state["step"])
         self.rollouts.load_state_dict(state, self.step_index)
         self.nonfinite.consecutive = int(state.get("bad_steps", 0))

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from ports import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,3 +88,34 @@ def test_the_layout_trains_the_world_1_run(tmp_path_factory, layout):
             assert 0 < b["grad_norm"] < float("inf")
         else:
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoints_hold_the_adapters_resume_exactly_and_refuse_another_base(tmp_path):
+    """``--save`` keeps the adapters and the buffers training moves, never the frozen base; a
+    resume at step 2 of 3 trains step 3 as the uninterrupted run does (same grad norm and
+    metrics); a resume over another base is refused naming both."""
+    from real_sglang.servers import write_tiny_checkpoint
+
+    base = str(write_tiny_checkpoint(tmp_path / "base", seed=4))
+    other = str(write_tiny_checkpoint(tmp_path / "other", seed=5))
+    common = ("--model", base, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+              "--global-batch-size", "16", "--micro-batch-size", "4")  # fmt: skip
+    whole = _train(tmp_path, "whole", 1, *common, "--train-iters", "3")
+    ckpt = tmp_path / "ckpt"
+    _train(tmp_path, "first", 1, *common, "--train-iters", "2", "--save", str(ckpt))
+    shard = torch.load(ckpt / "step_00000002" / "model_rank00000.pt", weights_only=True)
+    names = list(shard["model"])
+    assert any(".lora_B" in n for n in names)
+    assert not any(n.endswith(".base.weight") or "embedding" in n for n in names), names[:8]
+    resumed = _train(tmp_path, "resumed", 1, *common, "--train-iters", "3", "--load", str(ckpt))
+    assert resumed[-1]["step"] == whole[-1]["step"] == 3
+    assert resumed[-1]["grad_norm"] == pytest.approx(whole[-1]["grad_norm"], rel=1e-9)
+    refused = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.train", "--run-dir", str(tmp_path / "refused"),
+         "--device", "cpu", "--no-progress", *LORA, *common[2:], "--model", other,
+         "--train-iters", "3", "--load", str(ckpt)],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "adapters only fit their own base" in refused.stderr, refused.stderr[-2000:]

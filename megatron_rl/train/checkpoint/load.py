@@ -19,6 +19,7 @@ import os
 import torch
 
 from megatron_rl.collectives import any_rank, rank_and_world_size
+from megatron_rl.lora.checkpoint import load_trained_state, trained_state_dict
 from megatron_rl.train.checkpoint.folders import (
     DIST_FORMAT,
     RL_STATE_FILE,
@@ -87,7 +88,8 @@ def load_training_state(
                     path, map_location="cpu", weights_only=True, mmap=kind == "model"
                 )
             problem = layout_difference(shards["model"]["coords"], coords(), folder)
-            problem = problem or _model_difference(shards["model"]["model"], model.state_dict())
+            current = trained_state_dict(model)  # LoRA: the adapters, not the frozen base
+            problem = problem or _model_difference(shards["model"]["model"], current)
             problem = problem or optimizer_difference(shards["optim"]["optimizer"], optimizer)
             with open(os.path.join(folder, RL_STATE_FILE), encoding="utf-8") as handle:
                 rl_state = json.load(handle)
@@ -95,7 +97,7 @@ def load_training_state(
         problem = f"{folder}: cannot read rank {rank}'s shard ({exc!r})"
     if any_rank(problem is not None):
         raise ValueError(problem or f"{folder}: another rank's shard does not match; see its error")
-    model.load_state_dict(shards["model"]["model"], strict=True)
+    load_trained_state(model, shards["model"]["model"])
     load_optimizer_state(optimizer, shards["optim"]["optimizer"])
     restore_rng_state(shards["rng"]["rng"])
     logger.info("loaded step %d from %s", step, folder)

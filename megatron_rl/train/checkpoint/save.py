@@ -47,6 +47,7 @@ import os
 import time
 
 from megatron_rl.collectives import all_gather_objects, any_rank, barrier, rank_and_world_size
+from megatron_rl.lora.checkpoint import trained_state_dict
 from megatron_rl.train.checkpoint.commit import commit, remove_staging_leftovers
 from megatron_rl.train.checkpoint.folders import (
     CKPT_FORMATS,
@@ -259,7 +260,8 @@ def _begin_save(save_dir, step, model, optimizer, rl_state, keep_last, fmt, back
         if fmt == TORCH_FORMAT:
             staging = pending.staging
             files.update(
-                write_shard(dict(header, model=model.state_dict()), staging, "model", rank)
+                # a LoRA run's frozen base stays out (megatron_rl/lora/checkpoint.py)
+                write_shard(dict(header, model=trained_state_dict(model)), staging, "model", rank)
             )
             files.update(
                 write_shard(
