@@ -11,7 +11,11 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_rl.lora.config import LoRAConfig
+from megatron_rl.lora.experts import LoRAGroupedExperts
 from megatron_rl.lora.layers import COLUMN, ROW, LoRALinear
+from megatron_rl.model.grouped_experts import TorchGroupedMLP
+
+ADAPTERS = (LoRALinear, LoRAGroupedExperts)
 
 
 def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> list[str]:
@@ -23,8 +27,26 @@ def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> list[
     for name, module in list(model.named_modules()):
         if not any(name.endswith("." + s) for s in suffixes):
             continue
-        if isinstance(module, LoRALinear):
+        if isinstance(module, ADAPTERS):
             raise ValueError(f"{name} already has an adapter")
+        if isinstance(module, TorchGroupedMLP):
+            if config.lora_dropout:
+                raise ValueError(
+                    f"{name}: --lora-dropout on routed experts is not supported; use 0 or "
+                    "leave routed_experts out of --lora-targets"
+                )
+            adapter = LoRAGroupedExperts(
+                module,
+                name=global_layer_name(model, name),
+                rank=config.lora_rank,
+                alpha=config.lora_alpha,
+                seed=seed,
+                mode=config.lora_experts,
+            )
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, adapter)
+            wrapped.append(name)
+            continue
         if isinstance(module, ColumnParallelLinear):
             kind = COLUMN
         elif isinstance(module, RowParallelLinear):
@@ -32,7 +54,8 @@ def add_adapters(model: torch.nn.Module, config: LoRAConfig, seed: int) -> list[
         else:
             raise TypeError(
                 f"LoRA target {name} is a {type(module).__name__}, not megatron's column- or "
-                "row-parallel linear layer; drop it from --lora-targets"
+                "row-parallel linear layer nor the grouped experts (routed experts need "
+                "--moe-grouped-gemm); drop it from --lora-targets"
             )
         adapter = LoRALinear(
             module,
@@ -82,18 +105,18 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     no adapter."""
     state = model.state_dict()
     for prefix, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            unwrap_entries(state, f"{prefix}.", module)
+        if isinstance(module, ADAPTERS):
+            unwrap_entries(state, f"{prefix}.", module.merged_state())
     return state
 
 
-def unwrap_entries(entries: dict, dotted: str, module: LoRALinear) -> None:
-    """In place: ``entries``' names under the adapted layer ``dotted`` (``<layer>.``) as the
-    unadapted layer's (``<layer>.base.<x>`` -> ``<layer>.<x>``), its adapters dropped and its
-    weight merged (a computed tensor: writing into it changes no parameter)."""
+def unwrap_entries(entries: dict, dotted: str, merged: dict[str, torch.Tensor]) -> None:
+    """In place: ``entries``' names under the adapted module ``dotted`` (``<module>.``) as the
+    unadapted module's (``<module>.base.<x>`` -> ``<module>.<x>``), its adapters dropped and
+    ``merged``'s entries (computed tensors: writing into them changes no parameter) set."""
     for key in [k for k in entries if k.startswith(dotted)]:
         value = entries.pop(key)
         rest = key[len(dotted) :]
         if rest.startswith("base."):
             entries[dotted + rest[len("base.") :]] = value
-    entries[dotted + "weight"] = module.merged_weight()
+    entries.update({dotted + name: tensor for name, tensor in merged.items()})

@@ -19,13 +19,13 @@ import os
 
 import torch
 
-from megatron_rl.lora.layers import LoRALinear
-
 SAMPLE_BYTES = 1 << 20
 
 
 def has_adapters(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
+    from megatron_rl.lora.apply import ADAPTERS
+
+    return any(isinstance(m, ADAPTERS) for m in model.modules())
 
 
 def frozen_names(model: torch.nn.Module) -> set[str]:

@@ -14,11 +14,15 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "mla_up": ("self_attention.linear_q_up_proj", "self_attention.linear_kv_up_proj"),
     "dense_mlp": ("mlp.linear_fc1", "mlp.linear_fc2"),  # dense layers (DeepSeek-V3, GLM-4.5)
     "shared_experts": ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"),
+    "routed_experts": ("mlp.experts",),  # the grouped experts (megatron_rl/lora/experts.py)
 }
 PRESETS = {
     "attention": ("attention_qkv", "attention_out", "mla_up"),
-    # every dense linear layer of the language model (routed experts: not yet; issue 54)
-    "all_dense": tuple(TARGETS),
+    # every dense linear layer of the language model
+    "all_dense": tuple(t for t in TARGETS if t != "routed_experts"),
+    # every linear layer of the language model, routed experts included (slime's
+    # moe_language_all; the routers and the output layer are never adapted)
+    "all_linear": tuple(TARGETS),
 }
 
 
@@ -31,6 +35,12 @@ class LoRAConfig:
         16.0, help="LoRA's alpha: the update is (alpha / r) B A (PEFT's lora_alpha)"
     )
     lora_dropout: float = option(0.0, help="dropout on each adapter's input (training only)")
+    lora_experts: str = option(
+        "per-expert",
+        choices=("per-expert", "shared"),
+        help="with routed_experts in --lora-targets: an adapter per expert (Megatron-Bridge, "
+        "NeMo-RL) or one shared by a layer's experts (slime)",
+    )
     lora_targets: str = option(
         "attention",
         help="comma-separated layers to adapt: presets attention, all_dense, or names "

@@ -137,6 +137,12 @@ class LoRALinear(torch.nn.Module):
                 u = reduce_from_tensor_model_parallel_region(u)
         return torch.nn.functional.linear(u, self.lora_B) * self.scale
 
+    def merged_state(self) -> dict[str, torch.Tensor]:
+        """The unadapted layer's state-dict entries that differ: ``{"weight": merged}``."""
+        return {"weight": self.merged_weight()}
+
+    merged_entries = merged_state  # its conversion entries: the same single weight
+
     def merged_weight(self) -> torch.Tensor:
         """This rank's shard of ``W + (alpha / r) B A`` (detached), the base weight's layout."""
         with torch.no_grad():

@@ -83,9 +83,19 @@ def save_peft_adapter(
     """Write ``model``'s adapters to ``folder`` in PEFT's format (rank 0 writes; every rank of a
     tensor-parallel group calls it). ``base_model``: ``base_model_name_or_path`` in the config.
     One pipeline stage's layers only (pipeline parallelism: not yet)."""
+    from megatron_rl.lora.experts import LoRAGroupedExperts
+
+    experts = [n for n, m in model.named_modules() if isinstance(m, LoRAGroupedExperts)]
+    if experts:
+        raise ValueError(
+            f"save_peft_adapter: {experts[0]} adapts routed experts, which have no PEFT export "
+            "yet (transformers 5 fuses them; peft targets their 3-D parameters); export the "
+            "merged model (save_checkpoint) instead"
+        )
     layers = adapted_layers(model)
     if not layers:
         raise ValueError("save_peft_adapter: the model has no LoRA adapter (--lora-rank 0)")
+
     first = next(iter(layers.values()))
     tensors, targets = {}, []
     for name, tensor in iter_peft_tensors(model, hf_config):

@@ -2,8 +2,8 @@
 trainer's at every step, where a sync of the base alone was measured 0.08-0.2 nats off after one
 update), R3 replay runs unchanged with adapters on, and under torchrun TP 2 + SP trains the
 world-1 run (grad norms of both steps within 1e-5 relative) on DeepSeek-V3's tiny preset, whose
-adapters cover MLA's up-projections, the output projection, the dense MLP and the shared
-experts."""
+adapters cover MLA's up-projections, the output projection, the dense MLP, the shared and the
+routed experts; so do PP 2 and TP 2 x EP 2 (per-expert and shared expert adapters)."""
 
 from __future__ import annotations
 
@@ -50,21 +50,24 @@ def test_the_engine_gets_the_merged_weights_and_r3_replays(tmp_path):
     assert rows[-1]["grad_norm"] > 0
 
 
-LAYOUTS = {
-    "tp2-sp": ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
-    # the adapters' A seeded by the global layer: a stage draws what world 1 draws
-    "pp2": ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"),
-    # EP 2 inside TP 2 (expert TP 1): data parallel stays 1, so world 1's samples are drawn
-    "tp2-ep2": (
-        "--tensor-model-parallel-size",
-        "2",
-        "--sequence-parallel",
-        "--expert-model-parallel-size",
-        "2",
+TP2_EP2 = ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+           "--expert-model-parallel-size", "2")  # fmt: skip
+LAYOUTS = {  # name -> (layout flags, other LoRA flags)
+    "tp2-sp": (
+        ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+        ("--lora-targets", "all_dense"),
     ),
-    "dp2-distopt": ("--use-distributed-optimizer",),
+    # the adapters' A seeded by the global layer: a stage draws what world 1 draws
+    "pp2": (
+        ("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"),
+        (),
+    ),
+    # EP 2 inside TP 2 (expert TP 1): data parallel stays 1, so world 1's samples are drawn;
+    # the per-expert adapters live with their experts
+    "tp2-ep2": (TP2_EP2, ()),
+    "dp2-distopt": (("--use-distributed-optimizer",), ()),
 }
-_WORLD1: list[list[dict]] = []  # the world-1 run, made once per worker
+_WORLD1: dict[tuple[str, ...], list[dict]] = {}  # expert mode -> the world-1 run, once per worker
 
 
 @pytest.mark.slow
@@ -73,16 +76,26 @@ _WORLD1: list[list[dict]] = []  # the world-1 run, made once per worker
     "layout", [pytest.param(k, marks=pytest.mark.xdist_group("lora-layouts")) for k in LAYOUTS]
 )
 def test_the_layout_trains_the_world_1_run(tmp_path_factory, layout):
-    """``tiny-deepseek`` with ``all_dense`` (MLA's up-projections, the output projection, the
-    dense MLP and the shared experts): two steps' grad norms within 1e-5 relative of world 1's,
-    the engine's log-probs the trainer's. DP 2 draws its own samples per rank, so it is compared
-    with world 1 on the rollout's total only through a finite, positive grad norm."""
-    flags = ("--model", "tiny-deepseek", "--lora-targets", "all_dense", "--train-iters", "2",
-             *BATCH)  # fmt: skip
-    if not _WORLD1:
-        _WORLD1.append(_train(tmp_path_factory.mktemp("world1"), "world1", 1, *flags))
-    rows = _train(tmp_path_factory.mktemp(layout), layout, 2, *flags, *LAYOUTS[layout])
-    for a, b in zip(_WORLD1[0], rows, strict=True):
+    """``tiny-deepseek`` with ``all_linear`` (MLA's up-projections, the output projection, the
+    dense MLP, the shared and the routed experts; TP 2 without EP splits the experts, so there
+    ``all_dense``): two steps' grad norms within 1e-5 relative of world 1's, the engine's
+    log-probs the trainer's (merged weights, experts included). DP 2 draws its own samples per
+    rank, so it is checked for a finite, positive grad norm only."""
+    layout_flags, mode = LAYOUTS[layout]
+    flags = (
+        "--model",
+        "tiny-deepseek",
+        "--lora-targets",
+        "all_linear",
+        "--train-iters",
+        "2",
+        *BATCH,
+        *mode,
+    )  # fmt: skip  (a later --lora-targets wins)
+    if mode not in _WORLD1:
+        _WORLD1[mode] = _train(tmp_path_factory.mktemp("world1"), "world1", 1, *flags)
+    rows = _train(tmp_path_factory.mktemp(layout), layout, 2, *flags, *layout_flags)
+    for a, b in zip(_WORLD1[mode], rows, strict=True):
         assert b["mismatch/train_rollout_logprob_abs_gap"] < 1e-5
         if layout.startswith("dp2"):
             assert 0 < b["grad_norm"] < float("inf")

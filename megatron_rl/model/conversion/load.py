@@ -103,8 +103,7 @@ def weight_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     the per-expert tensors every other layout has. An adapted layer (`megatron_rl.lora`)
     appears as the unadapted one, its weight merged: ``W + (alpha / r) B A``.
     """
-    from megatron_rl.lora.apply import unwrap_entries
-    from megatron_rl.lora.layers import LoRALinear
+    from megatron_rl.lora.apply import ADAPTERS, unwrap_entries
     from megatron_rl.model.grouped_experts import TorchGroupedMLP, expert_weight_views
 
     entries = {
@@ -117,8 +116,9 @@ def weight_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             dotted = f"{prefix}." if prefix else ""
             del entries[f"{dotted}weight1"], entries[f"{dotted}weight2"]
             entries.update(expert_weight_views(module, dotted))
-        elif isinstance(module, LoRALinear):  # exported and synced merged (megatron_rl/lora)
-            unwrap_entries(entries, f"{prefix}.", module)
+    for prefix, module in model.named_modules():  # exported and synced merged (megatron_rl/lora)
+        if isinstance(module, ADAPTERS):
+            unwrap_entries(entries, f"{prefix}.", module.merged_entries())
     return entries
 
 
@@ -177,9 +177,9 @@ def copy_full_tensors(
     Every shard is computed and checked against its parameter's shape before the first weight
     is written, so a failure leaves the model as it was. Returns the number of tensors copied.
     """
-    from megatron_rl.lora.layers import LoRALinear
+    from megatron_rl.lora.apply import ADAPTERS
 
-    if any(isinstance(m, LoRALinear) for m in model.modules()):
+    if any(isinstance(m, ADAPTERS) for m in model.modules()):
         raise RuntimeError(
             "load the base checkpoint before adding LoRA adapters: an adapted layer's weight "
             "entry is the merged W + (alpha / r) B A, not a parameter to copy into"
