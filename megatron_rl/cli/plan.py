@@ -204,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
         "transport: 2; tensor: 1; from a trainer command: what it configures)",
     )
     parser.add_argument("--sync-senders", choices=SYNC_SENDERS, default="every-stage")
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="LoRA's rank (0: full fine-tuning; the trainer's)"
+    )
+    parser.add_argument("--lora-targets", default="attention", help="as the trainer's")
+    parser.add_argument(
+        "--lora-experts",
+        choices=("per-expert", "shared"),
+        default="per-expert",
+        help="as the trainer's",
+    )
     colocated = parser.add_argument_group("colocated (megatron_rl.memory_plan.colocate)")
     colocated.add_argument(
         "--colocated",
@@ -274,6 +284,9 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         grad_check_chunk_elements=args.grad_check_chunk_elements or None,
         sync_staging_buffers=args.sync_staging_buffers,
         sync_senders=args.sync_senders,
+        lora_rank=args.lora_rank,
+        lora_targets=args.lora_targets,
+        lora_experts=args.lora_experts,
     )
     return plan_memory(config, layout, options, gpu_gib=args.gpu_gib)
 

@@ -18,7 +18,7 @@ FROM_TRAINER = (
     "optimizer_offload_fraction", "recompute", "micro_batch_tokens", "micro_batch_sequences",
     "routing_replay", "routing_codec", "routing_tokens", "routing_responses",
     "routing_response_tokens", "reference", "spec", "colocated", "server_tp",
-    "sync_staging_buffers", "sync_senders",
+    "sync_staging_buffers", "sync_senders", "lora_rank", "lora_targets", "lora_experts",
 )  # fmt: skip
 
 
@@ -74,6 +74,9 @@ def apply_trainer_command(
         "colocated": config.engine.colocate,
         "server_tp": config.engine.sglang_engine_ranks,
         **_sync_staging(config.engine),
+        "lora_rank": config.lora.lora_rank,
+        "lora_targets": config.lora.lora_targets,
+        "lora_experts": config.lora.lora_experts,
     }
     if "model" not in given:
         values["model"] = config.task.model

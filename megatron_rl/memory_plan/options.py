@@ -51,8 +51,14 @@ class PlanOptions:
     sync_staging_buffers: int = 0
     sync_bucket_bytes: int = 512 * 1024**2
     sync_senders: str = "every-stage"
+    # LoRA (`megatron_rl.lora`): rank 0 is full fine-tuning; else the base is frozen and only
+    # the adapters of ``lora_targets`` have gradient buffers and optimizer state
+    lora_rank: int = 0
+    lora_targets: str = "attention"
+    lora_experts: str = "per-expert"
 
     def __post_init__(self) -> None:
+        self.lora()  # the LoRA fields checked as the trainer checks them
         choices = {
             "params_dtype": tuple(DTYPE_BYTES),
             "recompute": RECOMPUTE,
@@ -101,6 +107,14 @@ class PlanOptions:
                     "routing replay needs either routing_tokens (per rank) or both "
                     "routing_responses and routing_response_tokens (whole batch)"
                 )
+
+    def lora(self):
+        """The `LoRAConfig` of these options (``enabled`` when ``lora_rank > 0``)."""
+        from megatron_rl.lora.config import LoRAConfig
+
+        return LoRAConfig(
+            lora_rank=self.lora_rank, lora_targets=self.lora_targets, lora_experts=self.lora_experts
+        )
 
     @property
     def param_bytes(self) -> int:

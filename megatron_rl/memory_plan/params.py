@@ -19,6 +19,7 @@ class ParamTensor:
     numel: int
     expert: bool = False  # a routed expert's weight (megatron: ``allreduce=False`` when EP > 1)
     shared_embedding: bool = False  # tied word embedding split over pipeline stages
+    frozen: bool = False  # a LoRA run's base: no gradient buffer, no optimizer state
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,20 +31,26 @@ class StageParams:
     moe_layers: int
     dense: int  # attention, norms, router, shared experts, embedding / output layer
     expert: int  # routed experts
+    adapters: int = 0  # LoRA's A and B (the dense and expert counts are then the frozen base)
 
     @property
     def total(self) -> int:
-        return self.dense + self.expert
+        return self.dense + self.expert + self.adapters
 
 
 def stage_tensors(
-    shape: ModelShape, layout: Layout, stage: int, *, spec: str = "te"
+    shape: ModelShape, layout: Layout, stage: int, *, spec: str = "te", lora=None
 ) -> list[ParamTensor]:
     """This GPU's parameter tensors of ``stage`` in megatron-core's ``named_parameters`` order
     (local spec names; the TE spec holds the same tensors, with the norms fused into the
     linears). ``spec`` matters for multi-latent attention only: TE's spec replicates the q / kv
     down projections over TP (``TELinear``, duplicated), the local spec splits them
-    (``ColumnParallelLinear``)."""
+    (``ColumnParallelLinear``). ``lora`` (a `LoRAConfig` with a rank): the tensors frozen and
+    the adapters after them (`megatron_rl.memory_plan.lora`)."""
+    if lora is not None and lora.enabled:
+        from megatron_rl.memory_plan.lora import with_adapters
+
+        return with_adapters(stage_tensors(shape, layout, stage, spec=spec), shape, layout, lora)
     p = layout.parallel
     tp, ep, etp, pp = (
         p.tensor_parallel,
@@ -134,17 +141,21 @@ def _mla_tensors(shape: ModelShape, prefix: str, tp: int, spec: str) -> list[Par
     return out
 
 
-def stage_params(shape: ModelShape, layout: Layout, stage: int, *, spec: str = "te") -> StageParams:
+def stage_params(
+    shape: ModelShape, layout: Layout, stage: int, *, spec: str = "te", lora=None
+) -> StageParams:
     """Exact local parameter counts of a GPU of ``stage`` (megatron-core GPTModel layout)."""
-    tensors = stage_tensors(shape, layout, stage, spec=spec)
+    tensors = stage_tensors(shape, layout, stage, spec=spec, lora=lora)
+    base = [t for t in tensors if ".lora_" not in t.name]
     first = sum(layout.stage_layers(shape.num_layers)[:stage])
     layers = layout.stage_layers(shape.num_layers)[stage]
     return StageParams(
         stage,
         layers,
         sum(shape.moe_pattern[first : first + layers]),
-        sum(t.numel for t in tensors if not t.expert),
-        sum(t.numel for t in tensors if t.expert),
+        sum(t.numel for t in base if not t.expert),
+        sum(t.numel for t in base if t.expert),
+        sum(t.numel for t in tensors if ".lora_" in t.name),
     )
 
 
@@ -234,11 +245,13 @@ def grad_buffers(
     *,
     distributed_optimizer: bool,
     spec: str = "te",
+    lora=None,
 ) -> list[GradBuffer]:
     """megatron DDP's buffers on a GPU of ``stage``: the dense one (over data x context
-    parallel) and, when EP > 1, the expert one (over expert data parallel)."""
+    parallel) and, when EP > 1, the expert one (over expert data parallel); over the trained
+    tensors only (LoRA: the adapters)."""
     p = layout.parallel
-    tensors = stage_tensors(shape, layout, stage, spec=spec)
+    tensors = [t for t in stage_tensors(shape, layout, stage, spec=spec, lora=lora) if not t.frozen]
     dense_group = layout.data_parallel * p.context_parallel
     if p.expert_parallel == 1:  # experts then have allreduce=True: the dense buffer holds them
         return [megatron_buffer(tensors, dense_group, distributed_optimizer, False)]

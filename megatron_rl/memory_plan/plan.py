@@ -124,6 +124,7 @@ class MemoryPlan:
                     "moe_layers": stage.params.moe_layers,
                     "dense_params": stage.params.dense,
                     "expert_params": stage.params.expert,
+                    "adapter_params": stage.params.adapters,
                     "gpu_bytes": stage.gpu_bytes,
                     "gpu_gib": round(stage.gpu_bytes / GIB, 4),
                     "peak_phase": stage.peak_phase.name,
@@ -158,13 +159,15 @@ def plan_memory(
         )
     stages = []
     for stage in range(layout.parallel.pipeline_parallel):
-        params = stage_params(shape, layout, stage, spec=options.spec)
+        lora = options.lora()
+        params = stage_params(shape, layout, stage, spec=options.spec, lora=lora)
         buffers = grad_buffers(
             shape,
             layout,
             stage,
             distributed_optimizer=options.distributed_optimizer,
             spec=options.spec,
+            lora=lora,
         )
         static, elements = static_terms(shape, layout, options, params, buffers)
         phases = stage_phases(shape, layout, options, params, buffers, elements)

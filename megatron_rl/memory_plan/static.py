@@ -57,10 +57,22 @@ def static_terms(
     a = options.param_bytes
     dtype = options.params_dtype
     padding = sum(buffer.numel - buffer.param_numel for buffer in buffers)
+    trained = sum(buffer.param_numel for buffer in buffers)
+    what_trains = "LoRA adapter" if params.adapters else "local param"
     terms = [
         Term("parameters: dense", params.dense * a, True, note=f"{params.dense:,} x {dtype}"),
         Term("parameters: experts", params.expert * a, True, note=f"{params.expert:,} x {dtype}"),
     ]
+    if params.adapters:  # LoRA: the base above is frozen (no grads, no optimizer state)
+        terms.append(
+            Term(
+                "parameters: LoRA adapters",
+                params.adapters * a,
+                True,
+                note=f"{params.adapters:,} x {dtype} (rank {options.lora_rank}, "
+                f"{options.lora_targets}); the base above frozen",
+            )
+        )
     if options.distributed_optimizer:  # DDP then moves the params into padded param buffers
         terms.append(
             Term(
@@ -75,9 +87,9 @@ def static_terms(
             "gradient buffers",
             sum(buffer.numel for buffer in buffers) * 4,
             True,
-            note=f"fp32 main_grad of every local param ({params.total + padding:,} with padding)"
+            note=f"fp32 main_grad of every {what_trains} ({trained + padding:,} with padding)"
             if padding
-            else "fp32 main_grad of every local param",
+            else f"fp32 main_grad of every {what_trains}",
         )
     )
     dense_opt, expert_opt = optimizer_state_bytes(buffers, options)
@@ -161,7 +173,7 @@ def static_terms(
         terms.append(
             Term(
                 "reference model",
-                params.total * a,
+                (params.dense + params.expert) * a,
                 True,
                 on_gpu=on_gpu,
                 note=f"parameters, {dtype}" + ("" if on_gpu else "; offloaded to host"),

@@ -27,6 +27,7 @@ EVAL_DATA = "aime24=/shared/aime24.jsonl aime25=/shared/aime25.jsonl"
 RUN_30B = "run_qwen3_30b_a3b.sh"
 RUN_235B = "run_qwen3_235b_a22b.sh"
 RUN_COLOCATED = "run_qwen3_30b_a3b_colocated.sh"
+RUN_LORA = "run_qwen3_30b_a3b_lora.sh"
 # the other families' launchers, relative to EXAMPLES (they reuse its common.sh and nodes.sh)
 RUN_DEEPSEEK = "../deepseek_v3/run_deepseek_v3.sh"
 RUN_GLM = "../glm4_moe/run_glm_4_5.sh"
@@ -34,11 +35,13 @@ HOSTS = {
     RUN_30B: {"MASTER_ADDR": "node0", "ROLLOUT_HOSTS": "node2 node3"},
     RUN_235B: {"MASTER_ADDR": "node0", "ROLLOUT_HOSTS": "node4 node5 node6 node7"},
     RUN_COLOCATED: {"NODE_HOSTS": "node0 node1 node2 node3"},
+    RUN_LORA: {"MASTER_ADDR": "node0", "ROLLOUT_HOSTS": "node1"},
 }
 CKPT = {
     RUN_30B: "/shared/Qwen3-30B-A3B",
     RUN_235B: "/shared/Qwen3-235B-A22B",
     RUN_COLOCATED: "/shared/Qwen3-30B-A3B",
+    RUN_LORA: "/shared/Qwen3-30B-A3B",
     RUN_DEEPSEEK: "/shared/DeepSeek-V3-bf16",
     RUN_GLM: "/shared/GLM-4.5",
 }
@@ -129,6 +132,13 @@ CASES: dict[str, tuple[str, str, int, dict]] = {
     ),
     "30b_node4_refused": _run(RUN_30B, 4),
     "30b_recipe_without_arm": _run(RUN_30B, 0, RECIPE="epic-paper", EVAL_DATA=EVAL_DATA),
+    # --------------------------------------------------------------- 30B LoRA, one training node
+    "30b_lora_node0": _run(RUN_LORA, 0),
+    "30b_lora_node1_r3": _run(RUN_LORA, 1, REPLAY="r3"),
+    "30b_lora_node0_knobs": _run(
+        RUN_LORA, 0, LORA_RANK="16", LORA_TARGETS="attention", LORA_LR="2e-5", LOSS="grpo"
+    ),
+    "30b_lora_node2_refused": _run(RUN_LORA, 2),
     # --------------------------------------------------------------- 235B, disaggregated
     "235b_node0": _run(RUN_235B, 0),
     "235b_node1": _run(RUN_235B, 1),
