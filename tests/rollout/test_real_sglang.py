@@ -565,6 +565,7 @@ def test_the_server_gives_a_teachers_top_k(server, hf_config):
         torch.testing.assert_close(sampled, want, atol=BF16_LOGPROB_ATOL, rtol=0)
 
 
+@pytest.mark.hardware_sensitive  # a learning verdict
 @pytest.mark.parametrize("topk", [None, "16"])
 def test_distillation_from_a_teacher_on_the_real_server(server, hf_config, tmp_path, topk):
     """The real CLI (in-process student engine) distilling from the real server holding a

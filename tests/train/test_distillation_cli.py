@@ -51,6 +51,7 @@ def mean(rows: list[dict], key: str) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.hardware_sensitive  # a learning verdict over two seeds
 @pytest.mark.parametrize("seed", [1, 2])
 def test_pure_distillation_pulls_a_random_student_to_the_teacher(tmp_path, seed):
     teacher = str(confident_teacher(tmp_path / "teacher"))
@@ -72,6 +73,7 @@ def test_pure_distillation_pulls_a_random_student_to_the_teacher(tmp_path, seed)
 
 
 @pytest.mark.slow
+@pytest.mark.hardware_sensitive  # a learning verdict
 @pytest.mark.parametrize(("seed", "topk", "kl_type"), [(1, "16", "forward"), (2, "4", "mixed")])
 def test_top_k_distillation_pulls_a_random_student_to_the_teacher(tmp_path, seed, topk, kl_type):
     """``--teacher-topk``: the KL over the teacher's top K as a loss term (K = 16, the whole
