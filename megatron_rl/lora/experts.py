@@ -9,8 +9,13 @@ Two geometries (``--lora-experts``):
   their experts and, like the expert weights, reduce over the expert-data-parallel group.
 - ``shared``: one ``A``/``B`` per projection shared by the layer's experts (slime's
   ``moe_language_all`` preset since September 2025): ``x A1^T B1^T`` for every routed token, as a
-  dense product; its gradient sums over all tokens of every expert-parallel rank (a dense
-  parameter: megatron's DDP reduces it over the whole data-parallel group).
+  dense product. Its gradient is the sum of what every expert's tokens give it: each
+  expert-parallel rank computes its local experts' part, the forward passes the four factors
+  through `SumGradOver` (identity; the backward all-reduces their gradients over the
+  expert-parallel group, one collective per layer), and megatron's DDP then reduces them as the
+  expert weights it sits beside (expert-data-parallel group, scaled by 1 / data-parallel size).
+  Every expert-parallel rank then holds the same factors and the same gradient; ranks other than
+  the first mark them ``shared`` so megatron's gradient norm counts them once.
 
 The probabilities still scale the activation between the two projections, as in the base module:
 
@@ -25,12 +30,38 @@ index (`layout_independent_a`), so expert-parallel layouts start from world 1's 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.kernels.grouped_gemm import grouped_mm
 from megatron_rl.lora.layers import layout_independent_a
 from megatron_rl.model.grouped_experts import TorchGroupedMLP
 
 EXPERT_MODES = ("per-expert", "shared")
+
+
+class SumGradOver(torch.autograd.Function):
+    """Identity on ``tensors``; the backward all-reduces (sums) their gradients over ``group``,
+    flattened into one buffer: one collective, however many tensors."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        ctx.like = [(t.shape, t.dtype, t.device) for t in tensors]
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [
+            torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+            for g, (shape, dtype, device) in zip(grads, ctx.like, strict=True)
+        ]
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, group=ctx.group)
+        out, start = [], 0
+        for g in grads:
+            out.append(flat[start : start + g.numel()].view_as(g).to(g.dtype))
+            start += g.numel()
+        return (None, *out)
 
 
 class LoRAGroupedExperts(torch.nn.Module):
@@ -52,12 +83,6 @@ class LoRAGroupedExperts(torch.nn.Module):
         super().__init__()
         if mode not in EXPERT_MODES:
             raise ValueError(f"--lora-experts {mode!r}: choose {' or '.join(EXPERT_MODES)}")
-        if mode == "shared" and base.ep_group.size() > 1:
-            raise ValueError(
-                f"{name}: --lora-experts shared with expert parallelism {base.ep_group.size()} "
-                "is not supported yet (its gradient must sum over the expert-parallel ranks); "
-                "use --lora-experts per-expert"
-            )
         if base.tp_group.size() > 1:
             raise ValueError(
                 f"{name}: LoRA on routed experts with expert tensor parallelism "
@@ -101,10 +126,20 @@ class LoRAGroupedExperts(torch.nn.Module):
             for attr in ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce"):
                 if hasattr(base.weight1, attr):
                     setattr(p, attr, getattr(base.weight1, attr))
+            if shared and base.ep_group.rank() > 0:
+                p.shared = True  # a replica of the first EP rank's: counted once in the norm
 
     @property
     def config(self):
         return self.base.config
+
+    def factors(self) -> tuple[torch.Tensor, ...]:
+        """``A1, B1, A2, B2`` as the forward uses them: shared ones through `SumGradOver` when
+        experts are split over more than one rank."""
+        factors = (self.lora_A1, self.lora_B1, self.lora_A2, self.lora_B2)
+        if self.mode == "shared" and self.base.ep_group.size() > 1 and torch.is_grad_enabled():
+            return SumGradOver.apply(self.base.ep_group, *factors)
+        return factors
 
     def _delta(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets) -> torch.Tensor:
         if self.mode == "shared":
@@ -114,15 +149,14 @@ class LoRAGroupedExperts(torch.nn.Module):
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         base, x = self.base, permuted_local_hidden_states
+        a1, b1, a2, b2 = self.factors()  # every rank, tokens or none: a collective's backward
         if x.shape[0] == 0:  # every weight and adapter stays in the graph (see the base module)
-            adapters = sum(
-                p.sum() for p in (self.lora_A1, self.lora_B1, self.lora_A2, self.lora_B2)
-            )
+            adapters = a1.sum() + b1.sum() + a2.sum() + b2.sum()
             anchor = x.sum() + permuted_probs.sum() + adapters
             return x.new_zeros(0, base.config.hidden_size) + 0.0 * anchor, None
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device), 0, dtype=torch.int32)
         fc1 = grouped_mm(x, base.weight1.transpose(1, 2), offsets)
-        fc1 = fc1 + self._delta(x, self.lora_A1, self.lora_B1, offsets)
+        fc1 = fc1 + self._delta(x, a1, b1, offsets)
         if base.config.gated_linear_unit:
             gate, linear = torch.chunk(fc1, 2, dim=-1)
             hidden = base.config.activation_func(gate) * linear
@@ -130,7 +164,7 @@ class LoRAGroupedExperts(torch.nn.Module):
             hidden = base.config.activation_func(fc1)
         hidden = (hidden * permuted_probs.unsqueeze(-1)).to(fc1.dtype)
         out = grouped_mm(hidden, base.weight2.transpose(1, 2), offsets)
-        return out + self._delta(hidden, self.lora_A2, self.lora_B2, offsets), None
+        return out + self._delta(hidden, a2, b2, offsets), None
 
     def backward_dw(self) -> None:
         """No delayed weight-gradient computation (megatron's expert-module interface)."""

@@ -10,7 +10,8 @@ its state, over the adapters only. Per adapted megatron layer ``W`` (this GPU's 
 - row-parallel (``linear_proj``, ``linear_fc2``; output width ``d``): ``A`` ``[r, in / tp]``,
   ``B`` ``[d, r]`` whole: ``r (numel(W) / d + d)``;
 - routed experts: per expert as the column/row layers above (expert parameters: the expert
-  buffer under EP), or once per layer and projection when shared (dense parameters).
+  buffer under EP), or once per layer and projection when shared (also expert parameters,
+  whole on every expert-parallel rank).
 
 Not counted: the adapters' activations (``r`` columns per adapted layer and token, against the
 layer's ``in + out``) and the merged weights the sync computes one tensor at a time.
@@ -54,7 +55,7 @@ def adapter_numels(kind: str, width: int, numel: int, rank: int) -> tuple[int, i
 
 def with_adapters(tensors: list, shape: ModelShape, layout: Layout, lora: LoRAConfig) -> list:
     """``tensors`` (`ParamTensor`, one stage's) frozen, followed by the adapters ``lora`` adds.
-    The trainer's refusals apply: routed-expert adapters need expert TP 1, shared ones EP 1."""
+    The trainer's refusal applies: routed-expert adapters need expert TP 1."""
     from megatron_rl.memory_plan.params import ParamTensor
 
     targets = lora.target_modules()
@@ -65,8 +66,6 @@ def with_adapters(tensors: list, shape: ModelShape, layout: Layout, lora: LoRACo
         raise ValueError(
             "LoRA on routed experts needs expert tensor parallelism 1 (add expert parallelism)"
         )
-    if experts and lora.lora_experts == "shared" and p.expert_parallel > 1:
-        raise ValueError("--lora-experts shared needs expert parallelism 1")
     out = [dataclasses.replace(t, frozen=True) for t in tensors]
     shared_done: set[str] = set()
     for t in tensors:
@@ -86,7 +85,10 @@ def with_adapters(tensors: list, shape: ModelShape, layout: Layout, lora: LoRACo
             elif f"{layer}{fc}" not in shared_done:
                 shared_done.add(f"{layer}{fc}")
                 shared = f"{layer}mlp.experts.shared.{fc}"
-                out += [ParamTensor(f"{shared}.lora_A", a), ParamTensor(f"{shared}.lora_B", b)]
+                out += [
+                    ParamTensor(f"{shared}.lora_A", a, True),
+                    ParamTensor(f"{shared}.lora_B", b, True),
+                ]
             continue
         suffix = next((s for s in targets if name.endswith("." + s)), None)
         if suffix is None or t.name.endswith(".bias"):

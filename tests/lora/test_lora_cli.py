@@ -65,6 +65,8 @@ LAYOUTS = {  # name -> (layout flags, other LoRA flags)
     # EP 2 inside TP 2 (expert TP 1): data parallel stays 1, so world 1's samples are drawn;
     # the per-expert adapters live with their experts
     "tp2-ep2": (TP2_EP2, ()),
+    # one adapter shared by a layer's experts, split over two EP ranks: its gradient sums both
+    "tp2-ep2-shared": (TP2_EP2, ("--lora-experts", "shared")),
     "dp2-distopt": (("--use-distributed-optimizer",), ()),
 }
 _WORLD1: dict[tuple[str, ...], list[dict]] = {}  # expert mode -> the world-1 run, once per worker
