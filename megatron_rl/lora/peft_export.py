@@ -9,11 +9,23 @@ so it is gathered over tensor parallelism and split into HF tensors exactly as t
 gathered as its weight is, and a fused layer's one ``A`` is each HF module's ``lora_A``. A fused
 layer's adapter is thus exactly a PEFT adapter per HF module whose ``A`` factors are equal.
 
-Target modules are one regular expression of the full HF paths (``model\.layers\.0\.self_attn
-\.q_proj|...``), which PEFT matches against whole module names: it adapts exactly the exported
-modules and never, say, a routed expert that shares a suffix. (Given as a list, peft 0.21 with
-transformers 5 maps the names through transformers' checkpoint conversions and was measured to
-adapt DeepSeek-V3's fused routed experts instead of its shared experts.)
+Routed experts (`LoRAGroupedExperts`): transformers 5 fuses a layer's experts into 3-D
+parameters, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up: megatron's
+``weight1`` per expert) and ``mlp.experts.down_proj`` ``[E, H, I]``, which PEFT adapts through
+``target_parameters`` with one pair per parameter: ``A`` ``[E r, in]`` expert-major and ``B``
+``[out, r E]`` expert-minor (expert ``e``'s ``B`` is columns ``e, e + E, ...``), so that
+``W[e] += (alpha / r) B[:, e::E] A[e r:(e + 1) r]`` (peft 0.21's ``ParamWrapper``). The experts
+are gathered over expert parallelism; shared adapters are repeated per expert. PEFT nests its
+two wrappers, so ``gate_up_proj``'s pair is saved under ``mlp.experts.base_layer`` and
+``down_proj``'s under ``mlp.experts``.
+
+Every target is a ``target_parameters`` entry, the full HF path of the weight: PEFT matches it
+whole, so it adapts exactly the exported weights. (Given in ``target_modules``, peft 0.21 with
+transformers 5 runs the names through its MoE checkpoint conversion, which turns full paths
+into leaf names (a module adapted in every layer) and maps every ``gate_proj``/``up_proj``/
+``down_proj``, the dense MLP's and the shared experts' included, onto the routed experts.)
+PEFT's parameter adapters take no dropout: the export says ``lora_dropout`` 0 (dropout acts in
+training only; the adapted function is the same).
 """
 
 from __future__ import annotations
@@ -39,6 +51,10 @@ from megatron_rl.model.conversion.transforms import split, unshard
 from megatron_rl.model.presets import load_hf_config
 
 PEFT_PREFIX = "base_model.model."
+EXPERT_PAIRS = (  # (HF parameter of the fused experts, where PEFT saves its pair, factors)
+    ("gate_up_proj", "base_layer", ("lora_A1", "lora_B1")),
+    ("down_proj", "", ("lora_A2", "lora_B2")),
+)
 
 
 def adapted_layers(model: torch.nn.Module) -> dict[str, LoRALinear]:
@@ -77,31 +93,88 @@ def _gathered(local: torch.Tensor, tmap, rank) -> torch.Tensor:
     return unshard(tmap, all_gather(local, tmap.group, size)) if size > 1 else local
 
 
+def iter_expert_peft_tensors(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(HF parameter path, f"{PEFT module path}.lora_A"/"lora_B", factor)`` for every routed
+    expert adapter of this pipeline stage in PEFT's fused layout (module docstring), gathered over
+    expert parallelism (a collective over each layer's expert-parallel group)."""
+    from megatron_rl.lora.experts import LoRAGroupedExperts
+
+    for module in model.modules():
+        if not isinstance(module, LoRAGroupedExperts):
+            continue
+        layer = re.search(r"layers\.(\d+)\.", module.name)
+        if layer is None:
+            raise ValueError(f"{module.name}: no layer number in the adapter's name")
+        experts = f"model.layers.{layer.group(1)}.mlp.experts"
+        group = module.base.ep_group
+        for param, holder, (a_name, b_name) in EXPERT_PAIRS:
+            a, b = getattr(module, a_name).detach(), getattr(module, b_name).detach()
+            if module.mode == "shared":  # the same pair for every expert
+                total = module.base.weight1.shape[0] * group.size()
+                a, b = a.expand(total, -1, -1), b.expand(total, -1, -1)
+            elif group.size() > 1:
+                a, b = _gather_experts(a, group), _gather_experts(b, group)
+            count, rank, width = a.shape
+            path = f"{experts}.{holder}" if holder else experts
+            yield f"{experts}.{param}", f"{path}.lora_A", a.reshape(count * rank, width)
+            yield (
+                f"{experts}.{param}",
+                f"{path}.lora_B",
+                b.permute(1, 2, 0).reshape(-1, rank * count),
+            )
+
+
+def _from_every_stage(tensors: dict, targets: list) -> tuple[dict, list]:
+    """Every pipeline stage's tensors and targets, on the ranks of global rank 0's pipeline group
+    (in layer order); unchanged without pipeline parallelism."""
+    from megatron.core import parallel_state
+
+    if not torch.distributed.is_initialized():
+        return tensors, targets
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if group.size() == 1 or 0 not in _ranks(group):  # only rank 0 writes
+        return tensors, targets
+    stages: list = [None] * group.size()
+    torch.distributed.all_gather_object(stages, (tensors, targets), group=group)
+    return (
+        {k: v for stage, _ in stages for k, v in stage.items()},
+        [t for _, stage in stages for t in stage],
+    )
+
+
+def _ranks(group) -> list[int]:
+    return torch.distributed.get_process_group_ranks(group)
+
+
+def _gather_experts(local: torch.Tensor, group) -> torch.Tensor:
+    """``[E_local, ...]`` stacks of every rank of ``group``, in global expert order."""
+    parts = [torch.empty_like(local) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def save_peft_adapter(
     model: torch.nn.Module, hf_config, folder: str | os.PathLike, *, base_model: str = ""
 ) -> None:
-    """Write ``model``'s adapters to ``folder`` in PEFT's format (rank 0 writes; every rank of a
-    tensor-parallel group calls it). ``base_model``: ``base_model_name_or_path`` in the config.
-    One pipeline stage's layers only (pipeline parallelism: not yet)."""
+    """Write ``model``'s adapters to ``folder`` in PEFT's format. Collective: every rank calls it
+    (tensor- and expert-parallel gathers; the pipeline stages' tensors are gathered to global
+    rank 0, which writes). ``base_model``: ``base_model_name_or_path`` in the config."""
     from megatron_rl.lora.experts import LoRAGroupedExperts
 
-    experts = [n for n, m in model.named_modules() if isinstance(m, LoRAGroupedExperts)]
-    if experts:
-        raise ValueError(
-            f"save_peft_adapter: {experts[0]} adapts routed experts, which have no PEFT export "
-            "yet (transformers 5 fuses them; peft targets their 3-D parameters); export the "
-            "merged model (save_checkpoint) instead"
-        )
-    layers = adapted_layers(model)
-    if not layers:
+    modules = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))]
+    if not modules:
         raise ValueError("save_peft_adapter: the model has no LoRA adapter (--lora-rank 0)")
-
-    first = next(iter(layers.values()))
+    first = modules[0]
     tensors, targets = {}, []
     for name, tensor in iter_peft_tensors(model, hf_config):
         tensors[f"{PEFT_PREFIX}{name}.weight"] = tensor.float().cpu().clone()  # no shared A
         if name.endswith(".lora_A"):
-            targets.append(name.removesuffix(".lora_A"))
+            targets.append(name.removesuffix(".lora_A") + ".weight")
+    for param, name, tensor in iter_expert_peft_tensors(model):
+        tensors[f"{PEFT_PREFIX}{name}.weight"] = tensor.float().cpu().contiguous()
+        if name.endswith(".lora_A"):
+            targets.append(param)
+    tensors, targets = _from_every_stage(tensors, targets)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     config = {
@@ -110,13 +183,13 @@ def save_peft_adapter(
         "base_model_name_or_path": base_model,
         "r": first.rank,
         "lora_alpha": first.alpha,
-        "lora_dropout": float(first.dropout),
-        # one regex of the full paths: PEFT matches it whole, and a list would go through
-        # transformers' checkpoint-key conversions (seen to retarget shared experts' names)
-        "target_modules": "|".join(re.escape(t) for t in targets),
+        "lora_dropout": 0.0,  # PEFT's parameter adapters take none (module docstring)
+        "target_modules": [],
+        "target_parameters": targets,  # full paths: exactly these weights (module docstring)
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
+        "use_dora": False,
         "init_lora_weights": True,
         "modules_to_save": None,
         "inference_mode": True,

@@ -159,6 +159,15 @@ def run(
         return _train(trainer, config, preemption, saver, evaluator)
 
 
+def _write_peft_adapter(trainer: Trainer, folder: str) -> None:
+    """Collective: the policy's adapters in PEFT's format at ``folder`` (rank 0 writes)."""
+    from megatron_rl.lora.peft_export import save_peft_adapter
+
+    base = trainer.lora_base["path"] or ""  # a base drawn from --seed has no folder
+    save_peft_adapter(trainer.model.module, trainer.hf_config, folder, base_model=base)
+    logger.info("LoRA adapters in PEFT's format: %s (base %s)", folder, base or "seeded")
+
+
 def _trainer_class() -> type[Trainer]:
     """This module's `Trainer`: imported on first use, or the stand-in set here."""
     return globals().get("Trainer") or __getattr__("Trainer")
@@ -219,6 +228,8 @@ def _train(
                 return last
         saver.save()
         saver.wait()
+        if config.lora.enabled:  # the trained adapters as PEFT loads them (lora/peft_export.py)
+            _write_peft_adapter(trainer, os.path.join(config.logging.run_dir, "peft_adapter"))
     if is_main:
         metrics_path = os.path.join(config.logging.run_dir, "metrics.jsonl")
         if os.path.exists(metrics_path):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from ports import torchrun
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 LORA = ("--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2")
@@ -22,6 +23,11 @@ BATCH = (
     "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "4",
     "--global-batch-size", "16", "--max-response-length", "4",
 )  # fmt: skip
+
+
+def _peft_tensors(tmp: Path, name: str) -> dict[str, torch.Tensor]:
+    """The run's trained adapters as the trainer exported them for PEFT."""
+    return load_file(tmp / name / "peft_adapter" / "adapter_model.safetensors")
 
 
 def _train(tmp: Path, name: str, nproc: int, *flags: str) -> list[dict]:
@@ -69,7 +75,7 @@ LAYOUTS = {  # name -> (layout flags, other LoRA flags)
     "tp2-ep2-shared": (TP2_EP2, ("--lora-experts", "shared")),
     "dp2-distopt": (("--use-distributed-optimizer",), ()),
 }
-_WORLD1: dict[tuple[str, ...], list[dict]] = {}  # expert mode -> the world-1 run, once per worker
+_WORLD1: dict[tuple[str, ...], tuple] = {}  # expert mode -> world 1's rows and PEFT adapter
 
 
 @pytest.mark.slow
@@ -81,8 +87,9 @@ def test_the_layout_trains_the_world_1_run(tmp_path_factory, layout):
     """``tiny-deepseek`` with ``all_linear`` (MLA's up-projections, the output projection, the
     dense MLP, the shared and the routed experts; TP 2 without EP splits the experts, so there
     ``all_dense``): two steps' grad norms within 1e-5 relative of world 1's, the engine's
-    log-probs the trainer's (merged weights, experts included). DP 2 draws its own samples per
-    rank, so it is checked for a finite, positive grad norm only."""
+    log-probs the trainer's (merged weights, experts included), and the PEFT adapter the run
+    writes at its end world 1's (every shard gathered; 1e-4 relative). DP 2 draws its own samples
+    per rank, so it is checked for a finite, positive grad norm only."""
     layout_flags, mode = LAYOUTS[layout]
     flags = (
         "--model",
@@ -95,9 +102,17 @@ def test_the_layout_trains_the_world_1_run(tmp_path_factory, layout):
         *mode,
     )  # fmt: skip  (a later --lora-targets wins)
     if mode not in _WORLD1:
-        _WORLD1[mode] = _train(tmp_path_factory.mktemp("world1"), "world1", 1, *flags)
-    rows = _train(tmp_path_factory.mktemp(layout), layout, 2, *flags, *layout_flags)
-    for a, b in zip(_WORLD1[mode], rows, strict=True):
+        world1 = tmp_path_factory.mktemp("world1")
+        _WORLD1[mode] = _train(world1, "world1", 1, *flags), _peft_tensors(world1, "world1")
+    tmp = tmp_path_factory.mktemp(layout)
+    rows = _train(tmp, layout, 2, *flags, *layout_flags)
+    world1_rows, world1_adapter = _WORLD1[mode]
+    if not layout.startswith("dp2"):  # the PEFT export gathers every TP/EP/PP shard
+        adapter = _peft_tensors(tmp, layout)
+        assert set(adapter) == set(world1_adapter)
+        for key, tensor in world1_adapter.items():
+            torch.testing.assert_close(adapter[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+    for a, b in zip(world1_rows, rows, strict=True):
         assert b["mismatch/train_rollout_logprob_abs_gap"] < 1e-5
         if layout.startswith("dp2"):
             assert 0 < b["grad_norm"] < float("inf")
