@@ -2,6 +2,7 @@
 
     megatron-rl convert hf-to-megatron --src HF_DIR --dst MEGATRON_DIR
     megatron-rl convert megatron-to-hf --src MEGATRON_DIR --dst HF_DIR
+    megatron-rl convert hf-to-hf --src HF_DIR --merge-lora PEFT_ADAPTER_DIR --dst MERGED_DIR
 
 The Megatron format is the unsharded megatron-core state dict in local-spec names with global
 expert indices (safetensors + config.json); it loads into the local or the Transformer Engine
@@ -9,6 +10,10 @@ spec under any TP/EP layout. The conversion builds the real megatron model (worl
 unless CUDA is present), loads the source into it with full validation, and streams it out.
 Under torchrun it runs sharded (each rank loads its shard, rank 0 writes).
 ``python tools/convert_checkpoint.py`` is the same command.
+
+``hf-to-hf --merge-lora`` merges a PEFT LoRA adapter (a LoRA run's ``RUN_DIR/peft_adapter``)
+into its base, ``W + (alpha / r) B A`` as PEFT's ``merge_and_unload`` does, tensor by tensor
+without building a model (`megatron_rl.lora.merge`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,11 @@ import time
 
 from megatron_rl.quiet_imports import quiet_third_party_warnings
 
-DIRECTIONS = {"hf-to-megatron": ("hf", "megatron"), "megatron-to-hf": ("megatron", "hf")}
+DIRECTIONS = {
+    "hf-to-megatron": ("hf", "megatron"),
+    "megatron-to-hf": ("megatron", "hf"),
+    "hf-to-hf": ("hf", "hf"),  # with --merge-lora
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,11 +43,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (torchrun)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--max-shard-gb", type=float, default=2.0)
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--merge-lora",
+        metavar="ADAPTER_DIR",
+        help="hf-to-hf: merge this PEFT LoRA adapter (adapter_config.json + "
+        "adapter_model.safetensors) into --src",
+    )
+    args = parser.parse_args(argv)
+    if (args.direction == "hf-to-hf") != (args.merge_lora is not None):
+        parser.error("--merge-lora goes with hf-to-hf, and hf-to-hf needs --merge-lora")
+    return args
 
 
 def convert(args: argparse.Namespace) -> float:
     """Run one conversion; returns the seconds it took."""
+    if args.merge_lora is not None:
+        from megatron_rl.lora.merge import merge_peft_adapter
+
+        start = time.perf_counter()
+        count = merge_peft_adapter(
+            args.src, args.merge_lora, args.dst, max_shard_bytes=int(args.max_shard_gb * 1024**3)
+        )
+        print(f"merged {count} adapted weights")
+        return time.perf_counter() - start
     from tqdm import tqdm  # megatron and the model: once a conversion runs (--help answers first)
 
     from megatron_rl.backend import ParallelConfig, destroy_distributed, init_distributed
