@@ -46,6 +46,13 @@ class LoRAConfig:
         help="comma-separated layers to adapt: presets attention, all_dense, or names "
         f"{', '.join(TARGETS)}",
     )
+    lora_sync: str = option(
+        "merged",
+        choices=("merged", "adapter"),
+        help="what a weight sync sends: merged weights W + (alpha/r) B A (every engine), or the "
+        "adapters alone, loaded as an SGLang LoRA adapter per version (--rollout-engine sglang, "
+        "--weight-sync-transport tensor or disk; servers started with --enable-lora)",
+    )
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0:
@@ -55,6 +62,8 @@ class LoRAConfig:
         if not (0.0 <= self.lora_dropout < 1.0):
             raise bad_value(self, "lora_dropout", "must be in [0, 1)")
         self.target_modules()  # names checked
+        if self.lora_sync == "adapter" and not self.enabled:
+            raise bad_value(self, "lora_sync", "'adapter' needs --lora-rank > 0")
 
     @property
     def enabled(self) -> bool:

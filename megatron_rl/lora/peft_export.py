@@ -93,10 +93,11 @@ def _gathered(local: torch.Tensor, tmap, rank) -> torch.Tensor:
     return unshard(tmap, all_gather(local, tmap.group, size)) if size > 1 else local
 
 
-def iter_expert_peft_tensors(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """``(HF parameter path, f"{PEFT module path}.lora_A"/"lora_B", factor)`` for every routed
-    expert adapter of this pipeline stage in PEFT's fused layout (module docstring), gathered over
-    expert parallelism (a collective over each layer's expert-parallel group)."""
+def expert_factors(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor, torch.Tensor]]:
+    """``(HF experts path, "gate_up_proj"/"down_proj", A [E, r, in], B [E, out, r])`` for every
+    routed-expert adapter of this pipeline stage, all ``E`` experts (gathered over expert
+    parallelism: a collective over each layer's expert-parallel group; shared adapters
+    repeated)."""
     from megatron_rl.lora.experts import LoRAGroupedExperts
 
     for module in model.modules():
@@ -107,21 +108,43 @@ def iter_expert_peft_tensors(model: torch.nn.Module) -> Iterator[tuple[str, str,
             raise ValueError(f"{module.name}: no layer number in the adapter's name")
         experts = f"model.layers.{layer.group(1)}.mlp.experts"
         group = module.base.ep_group
-        for param, holder, (a_name, b_name) in EXPERT_PAIRS:
+        for param, _, (a_name, b_name) in EXPERT_PAIRS:
             a, b = getattr(module, a_name).detach(), getattr(module, b_name).detach()
             if module.mode == "shared":  # the same pair for every expert
                 total = module.base.weight1.shape[0] * group.size()
                 a, b = a.expand(total, -1, -1), b.expand(total, -1, -1)
             elif group.size() > 1:
                 a, b = _gather_experts(a, group), _gather_experts(b, group)
-            count, rank, width = a.shape
-            path = f"{experts}.{holder}" if holder else experts
-            yield f"{experts}.{param}", f"{path}.lora_A", a.reshape(count * rank, width)
-            yield (
-                f"{experts}.{param}",
-                f"{path}.lora_B",
-                b.permute(1, 2, 0).reshape(-1, rank * count),
-            )
+            yield experts, param, a, b
+
+
+def iter_expert_peft_tensors(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(HF parameter path, f"{PEFT module path}.lora_A"/"lora_B", factor)`` for every routed
+    expert adapter of this pipeline stage in PEFT's fused layout (module docstring); a
+    collective (`expert_factors`)."""
+    holders = {param: holder for param, holder, _ in EXPERT_PAIRS}
+    for experts, param, a, b in expert_factors(model):
+        count, rank, width = a.shape
+        path = f"{experts}.{holders[param]}" if holders[param] else experts
+        yield f"{experts}.{param}", f"{path}.lora_A", a.reshape(count * rank, width)
+        yield f"{experts}.{param}", f"{path}.lora_B", b.permute(1, 2, 0).reshape(-1, rank * count)
+
+
+def iter_expert_module_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(f"{HF module}.lora_A"/"lora_B", factor)`` per expert and projection, unfused:
+    ``experts.<e>.gate_proj`` and ``up_proj`` share ``A1[e]`` and split ``B1[e]``'s rows (gate,
+    then up), ``down_proj`` is ``A2[e]``, ``B2[e]`` (the per-expert names SGLang's LoRA loader
+    reads); a collective (`expert_factors`)."""
+    for experts, param, a, b in expert_factors(model):
+        for e in range(a.shape[0]):
+            if param == "down_proj":
+                parts = (("down_proj", b[e]),)
+            else:
+                half = b.shape[1] // 2
+                parts = (("gate_proj", b[e, :half]), ("up_proj", b[e, half:]))
+            for name, b_part in parts:
+                yield f"{experts}.{e}.{name}.lora_A", a[e]
+                yield f"{experts}.{e}.{name}.lora_B", b_part
 
 
 def _from_every_stage(tensors: dict, targets: list) -> tuple[dict, list]:
@@ -153,34 +176,42 @@ def _gather_experts(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def save_peft_adapter(
-    model: torch.nn.Module, hf_config, folder: str | os.PathLike, *, base_model: str = ""
-) -> None:
-    """Write ``model``'s adapters to ``folder`` in PEFT's format. Collective: every rank calls it
-    (tensor- and expert-parallel gathers; the pipeline stages' tensors are gathered to global
-    rank 0, which writes). ``base_model``: ``base_model_name_or_path`` in the config."""
+def peft_adapter(
+    model: torch.nn.Module, hf_config, *, experts_unfused: bool = False
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, adapter_config)`` of ``model``'s adapters in PEFT's format (module docstring),
+    float32, complete on the ranks of global rank 0's pipeline group. Collective: every rank
+    calls it (tensor- and expert-parallel gathers; the pipeline stages' tensors gathered).
+
+    ``experts_unfused``: routed experts as per-expert ``gate_proj``/``up_proj``/``down_proj``
+    modules (`iter_expert_module_tensors`) and every target a leaf module name in
+    ``target_modules``: the form SGLang's LoRA loader reads (its adapters are matched by layer
+    and module name), not one PEFT loads onto transformers 5."""
     from megatron_rl.lora.experts import LoRAGroupedExperts
 
     modules = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAGroupedExperts))]
     if not modules:
-        raise ValueError("save_peft_adapter: the model has no LoRA adapter (--lora-rank 0)")
+        raise ValueError("the model has no LoRA adapter (--lora-rank 0)")
     first = modules[0]
     tensors, targets = {}, []
     for name, tensor in iter_peft_tensors(model, hf_config):
         tensors[f"{PEFT_PREFIX}{name}.weight"] = tensor.float().cpu().clone()  # no shared A
         if name.endswith(".lora_A"):
             targets.append(name.removesuffix(".lora_A") + ".weight")
-    for param, name, tensor in iter_expert_peft_tensors(model):
-        tensors[f"{PEFT_PREFIX}{name}.weight"] = tensor.float().cpu().contiguous()
-        if name.endswith(".lora_A"):
-            targets.append(param)
+    if experts_unfused:
+        for name, tensor in iter_expert_module_tensors(model):
+            tensors[f"{PEFT_PREFIX}{name}.weight"] = tensor.float().cpu().contiguous()
+            if name.endswith(".lora_A"):
+                targets.append(name.removesuffix(".lora_A") + ".weight")
+    else:
+        for param, name, tensor in iter_expert_peft_tensors(model):
+            tensors[f"{PEFT_PREFIX}{name}.weight"] = tensor.float().cpu().contiguous()
+            if name.endswith(".lora_A"):
+                targets.append(param)
     tensors, targets = _from_every_stage(tensors, targets)
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
         "r": first.rank,
         "lora_alpha": first.alpha,
         "lora_dropout": 0.0,  # PEFT's parameter adapters take none (module docstring)
@@ -194,6 +225,21 @@ def save_peft_adapter(
         "modules_to_save": None,
         "inference_mode": True,
     }
+    if experts_unfused:
+        leaves = {t.removesuffix(".weight").rsplit(".", 1)[-1] for t in targets}
+        config.update(target_modules=sorted(leaves), target_parameters=None)
+    return tensors, config
+
+
+def save_peft_adapter(
+    model: torch.nn.Module, hf_config, folder: str | os.PathLike, *, base_model: str = ""
+) -> None:
+    """Write ``model``'s adapters to ``folder`` in PEFT's format (`peft_adapter`; collective,
+    global rank 0 writes). ``base_model``: ``base_model_name_or_path`` in the config."""
+    tensors, config = peft_adapter(model, hf_config)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    config = {"base_model_name_or_path": base_model, **config}
     os.makedirs(folder, exist_ok=True)
     atomic_save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), {"format": "pt"})
     atomic_write_text(

@@ -75,6 +75,7 @@ from megatron_rl.rollout.weight_sync import (
     WeightSyncConfig,
     WeightSyncError,
 )
+from megatron_rl.rollout.weight_sync.lora import adapter_name
 from megatron_rl.routing import CODECS, RoutingCodec
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ class SGLangEngine:
         self.memory = ServerMemory(self.workers)
         self._threads = ThreadPoolExecutor(max_workers=config.max_in_flight)
         self._version = 0
+        self._adapter: int | None = None  # the weight version of the newest adapter (LoRA sync)
         self._aborted = 0  # samples aborted by a server and generated again (`take_aborted`)
         self._lock = threading.Lock()
         self.last_sync: SyncReport | None = None
@@ -261,10 +263,12 @@ class SGLangEngine:
         batch, cancelled, affinity = state
         attempt = iter(range(1 << 30))
 
+        adapter: list[int | None] = [None]  # the adapter the last attempt named (LoRA sync)
+
         def payload() -> dict:  # a fresh rid per attempt: servers reject duplicate ids
             if cancelled.is_set():
                 raise BatchCancelledError(f"sample (prompt {i}, sample {j}): batch failed")
-            return generate_request(
+            body = generate_request(
                 prompt,
                 params,
                 prompt_index=i,
@@ -272,11 +276,16 @@ class SGLangEngine:
                 return_routed_experts=routes,
                 rid=f"{batch}-{i}-{j}-{next(attempt)}",
             )
+            adapter[0] = self._adapter  # a retry names the newest adapter
+            if adapter[0] is not None:
+                body["lora_path"] = adapter_name(adapter[0])
+            return body
 
         # sglang-router 0.3.2 drops return_routed_experts and return_sampling_mask from the
         # body it forwards (its request type has no such fields): R3 generation and sampling
-        # supports go to the workers directly
-        pool = self.workers if routes or params.return_sampling_support else self.pool
+        # supports go to the workers directly; so do adapter requests (each worker loads them)
+        direct = routes or params.return_sampling_support or self._adapter is not None
+        pool = self.workers if direct else self.pool
         choose = affinity.chooser(i) if pool is self.workers else None  # else the router's
         what = f"sample (prompt {i}, sample {j})"
         for _ in range(self.config.max_abort_retries + 1):
@@ -287,7 +296,7 @@ class SGLangEngine:
             if reason.get("type") != "abort":
                 if choose is not None:
                     affinity.answered(i)
-                return decode_generate(
+                sample = decode_generate(
                     body,
                     prompt=prompt,
                     prompt_index=i,
@@ -296,6 +305,10 @@ class SGLangEngine:
                     layer_pattern=self.config.layer_pattern,
                     want_support=params.return_sampling_support,
                 )
+                if adapter[0] is not None:  # every token from the adapter it named
+                    sample.weight_version = adapter[0]
+                    sample.weight_versions = ((adapter[0], 0, len(sample.response_ids_R)),)
+                return sample
             with self._lock:
                 self._aborted += 1
             logger.warning("%s was aborted by the server (%s); generating it again", what, reason)
@@ -405,14 +418,17 @@ class SGLangEngine:
         version: int,
         stages=(),
         peers=None,
+        adapter_config: dict | None = None,
     ) -> None:
         """Sync over the configured transport (`WeightSync.sync`); WeightSyncError on failure.
+        ``adapter_config``: ``named_tensors`` is a LoRA adapter with this PEFT config, loaded as
+        the SGLang adapter of ``version`` that every later request names (`weight_sync.lora`).
         ``stages``: the other pipeline stages' senders (`weight_sync.stages.RemoteStage`);
         ``peers``: colocated, every trainer rank's handles (`weight_sync.rank_handles`).
         Colocated, a sync that any server fails stops the run (see `SGLangEngineConfig`)."""
         try:
             self.last_sync = self.weight_sync.sync(
-                named_tensors, version, stages=stages, peers=peers
+                named_tensors, version, stages=stages, peers=peers, adapter_config=adapter_config
             )
         except WeightSyncError as err:
             if not self.config.colocated:
@@ -423,6 +439,7 @@ class SGLangEngine:
                 "so the run stops: restart it with every server up"
             ) from err
         self._version = version
+        self._adapter = version if adapter_config is not None else None
 
     def flush_cache(self) -> None:
         """``/flush_cache`` on each member worker, waiting for idle (`HttpPool.flush_cache`)."""
@@ -502,7 +519,10 @@ class SGLangEngine:
             "return_logprob": True,
             "logprob_start_len": 0,
         }
-        body = self.pool.post("/generate", payload, what="score")
+        pool = self.pool
+        if self._adapter is not None:  # the policy's adapter, on a worker directly
+            payload["lora_path"], pool = adapter_name(self._adapter), self.workers
+        body = pool.post("/generate", payload, what="score")
         entries = body["meta_info"]["input_token_logprobs"]
         if len(entries) != len(token_ids):
             raise RuntimeError(f"score: {len(entries)} input logprobs for {len(token_ids)} tokens")

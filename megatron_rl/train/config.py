@@ -182,6 +182,7 @@ class TrainConfig:
             )
         self._check_colocate()
         self._check_teacher()
+        self._check_adapter_sync()
         if self.lora.enabled and self.checkpoint.ckpt_format == "torch_dist":
             raise ValueError(
                 "--lora-rank with --ckpt-format torch_dist: the adapters have no sharded "
@@ -228,6 +229,26 @@ class TrainConfig:
         for flag, refused in refusals.items():
             if refused:
                 raise ValueError(f"--loss-teacher with {flag}: {why[flag]}")
+
+    def _check_adapter_sync(self) -> None:
+        """``--lora-sync adapter``: SGLang servers that load adapters by tensor or folder."""
+        if self.lora.lora_sync != "adapter":
+            return
+        engine = self.engine
+        why = None
+        if engine.kind != "sglang":
+            why = "needs --rollout-engine sglang (the in-process engine takes merged weights)"
+        elif engine.weight_sync_transport not in ("tensor", "disk"):
+            why = (
+                f"over --weight-sync-transport {engine.weight_sync_transport}: SGLang loads "
+                "adapters from tensors (tensor) or a folder (disk)"
+            )
+        elif engine.colocate:
+            why = "with --colocate: the colocated sync hands over merged weights per GPU"
+        elif engine.weight_sync_fp8_blocks:
+            why = "with --weight-sync-fp8-blocks: adapters are sent unquantised"
+        if why is not None:
+            raise ValueError(f"--lora-sync adapter {why}; or use --lora-sync merged")
 
     def _check_colocate(self) -> None:
         """``--colocate``: one phase holds the GPUs at a time (train/colocate.py)."""

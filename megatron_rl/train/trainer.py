@@ -135,6 +135,7 @@ class Trainer:
             owns_engine=self.pushes_weights,
             pipeline_group=self.ranks.pipeline_group,
             timeout_s=sync_timeout_s,
+            adapter_sync=config.lora.lora_sync == "adapter",
         )
         self.step_index = self.weight_version = 0
         # prompts, generation schedule, refill, carry-over (train/rollouts/manager.py)

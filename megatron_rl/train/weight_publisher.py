@@ -16,6 +16,9 @@ publisher              the rank and the layout
 `StageGatherOnly`      the other ranks of that layout
 `ColocatedPush`        rank 0, ``--colocate``: every rank hands the servers its own GPU's copy
 `ColocatedServe`       the other ranks, ``--colocate``: serve their copies' handles
+`AdapterPush`          rank 0, ``--lora-sync adapter``: gathers the LoRA adapters (PEFT names)
+                       and loads them on the servers as the version's SGLang adapter
+`AdapterGatherOnly`    the other ranks, ``--lora-sync adapter``: take part in the gathers
 =====================  ==========================================================================
 
 The generic `RolloutEngine.update_weights(stream, version=)` is all `EnginePush` needs; the
@@ -155,9 +158,39 @@ class ColocatedServe:
         pass
 
 
+@dataclass
+class AdapterPush:
+    shard: PolicyShard
+    engine: object  # SGLangEngine
+
+    def publish(self, version: int) -> None:
+        from megatron_rl.lora.peft_export import peft_adapter
+
+        tensors, config = peft_adapter(
+            self.shard.module, self.shard.hf_config, experts_unfused=True
+        )
+        self.engine.update_weights(tensors.items(), version=version, adapter_config=config)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class AdapterGatherOnly:
+    shard: PolicyShard
+
+    def publish(self, version: int) -> None:
+        from megatron_rl.lora.peft_export import peft_adapter
+
+        peft_adapter(self.shard.module, self.shard.hf_config, experts_unfused=True)  # collectives
+
+    def close(self) -> None:
+        pass
+
+
 def build_weight_publisher(
     engine_config, shard: PolicyShard, engine: RolloutEngine | None, *, owns_engine: bool,
-    pipeline_group=None, timeout_s: float | None = None,
+    pipeline_group=None, timeout_s: float | None = None, adapter_sync: bool = False,
 ) -> WeightPublisher:  # fmt: skip
     """This rank's publisher (a collective with per-stage senders: their gloo group is made).
 
@@ -165,8 +198,13 @@ def build_weight_publisher(
     ``per_stage_senders``, ``weight_sync_transport``, ``sglang_url``); ``owns_engine``: this
     rank pushes to ``engine`` (rank 0 for servers, a generator rank for its in-process engine);
     ``pipeline_group``: given when PP > 1; ``timeout_s``: the sync's own timeout, the longest a
-    later stage waits for its turn (without it, torch's 30-minute group default).
+    later stage waits for its turn (without it, torch's 30-minute group default);
+    ``adapter_sync``: ``--lora-sync adapter`` (the LoRA adapters alone, from rank 0).
     """
+    if adapter_sync:  # --lora-sync adapter: SGLang servers, neither colocated nor per stage
+        if owns_engine:
+            return AdapterPush(shard, _sglang(engine, "--lora-sync adapter"))
+        return AdapterGatherOnly(shard)
     if engine_config.colocate:
         from megatron_rl.rollout.weight_sync.rank_handles import HandleLink
 

@@ -99,3 +99,21 @@ def test_sharded_checkpoints_are_refused_with_adapters_for_now():
             lora=LoRAConfig(lora_rank=4), checkpoint=CheckpointConfig(ckpt_format="torch_dist")
         )
     TrainConfig(lora=LoRAConfig(lora_rank=4))
+
+
+def test_adapter_sync_needs_sglang_servers_that_load_adapters():
+    from megatron_rl.rollout.engine_config import EngineConfig
+    from megatron_rl.train.config import TrainConfig
+
+    adapter = LoRAConfig(lora_rank=4, lora_sync="adapter")
+    url = ("http://127.0.0.1:30000",)
+    with pytest.raises(ValueError, match=r"needs --lora-rank > 0 \(LoRAConfig.lora_sync\)"):
+        LoRAConfig(lora_sync="adapter")
+    with pytest.raises(ValueError, match="--lora-sync adapter needs --rollout-engine sglang"):
+        TrainConfig(lora=adapter)
+    distributed = EngineConfig(kind="sglang", sglang_url=url, weight_sync_transport="distributed")
+    with pytest.raises(ValueError, match="over --weight-sync-transport distributed"):
+        TrainConfig(lora=adapter, engine=distributed)
+    for transport in ("tensor", "disk"):
+        engine = EngineConfig(kind="sglang", sglang_url=url, weight_sync_transport=transport)
+        TrainConfig(lora=adapter, engine=engine)

@@ -26,6 +26,7 @@ from megatron_rl.rollout.weight_sync.common import (
 )
 from megatron_rl.rollout.weight_sync.disk import DiskTransport
 from megatron_rl.rollout.weight_sync.distributed import DistributedTransport
+from megatron_rl.rollout.weight_sync.lora import LoRATransport
 from megatron_rl.rollout.weight_sync.rank_handles import STOP, HandleLink
 from megatron_rl.rollout.weight_sync.reprobe import ReprobeConfig, Reprober
 from megatron_rl.rollout.weight_sync.stages import RemoteStage
@@ -84,6 +85,8 @@ class WeightSync:
         self._failed: dict[str, str] = {}  # url -> why, in the sync under way
         self._version = 0
         self.transport: Transport = TRANSPORT_CLASSES[config.transport](self)
+        self.adapters: LoRATransport | None = None  # adapter-only syncs (`sync`'s adapter_config)
+        self._adapter_sync = False  # the sync under way sends an adapter
         self.dropped_total = 0  # servers dropped by syncs so far (a metric)
         self.rejoined_total = 0  # dropped servers admitted again after a full sync
         self.reprobe = Reprober(pool.probe, reprobe or ReprobeConfig())
@@ -140,8 +143,9 @@ class WeightSync:
 
     def _begin_sessions(self) -> list[str]:
         """``/begin_weight_update`` on every live server (transports that need a session;
-        see `update_session`); the servers with a session open. A refusal fails that server."""
-        if self.config.transport not in TRANSPORTS_NEEDING_SESSION:
+        see `update_session`); the servers with a session open. A refusal fails that server.
+        An adapter load changes no weight: no session."""
+        if self.config.transport not in TRANSPORTS_NEEDING_SESSION or self._adapter_sync:
             return []
         urls = list(self._live)
         futures = [self.threads.submit(self.sessions.begin, u) for u in urls]
@@ -173,8 +177,12 @@ class WeightSync:
         *,
         stages: Sequence[RemoteStage] = (),
         peers: HandleLink | None = None,
+        adapter_config: dict | None = None,
     ) -> SyncReport:
         """Push ``named_tensors`` as weight ``version`` (see the package docstring).
+
+        ``adapter_config``: ``named_tensors`` is the policy's LoRA adapter (PEFT names) with this
+        PEFT config, loaded as an SGLang adapter (`lora.LoRATransport`), not merged weights.
 
         ``stages``: with pipeline parallelism and the ``distributed`` transport, the senders of
         stages 1.. (`stages.RemoteStage`); ``named_tensors`` is then stage 0's only, and each
@@ -193,6 +201,13 @@ class WeightSync:
                 raise ValueError(
                     f"per-rank handles need the 'tensor' transport, not {self.config.transport!r}"
                 )
+            if adapter_config is not None and (stages or peers is not None):
+                raise ValueError("an adapter sync is sent from rank 0 alone (no stages, peers)")
+            self._adapter_sync = adapter_config is not None
+            if self._adapter_sync:
+                if self.adapters is None:
+                    self.adapters = LoRATransport(self)
+                self.adapters.adapter_config = adapter_config
             return self._sync(named_tensors, version, stages, peers)
         finally:
             for stage in stages:
@@ -204,8 +219,10 @@ class WeightSync:
         report = SyncReport(version=version)
         start = time.perf_counter()
         sums: dict[str, float] = {}
-        named_tensors = sent_stream(named_tensors, self.config)
-        stream = self._account(named_tensors, report, sums if self.config.checksum else None)
+        if not self._adapter_sync:  # adapters go as they are, and leave the checksums unchanged
+            named_tensors = sent_stream(named_tensors, self.config)
+        checked = self.config.checksum and not self._adapter_sync
+        stream = self._account(named_tensors, report, sums if checked else None)
         members = self.pool.members()
         dropped = list(self.pool.dropped())
         for url in dropped:  # idempotent: each dropped server has its background prober
@@ -233,6 +250,8 @@ class WeightSync:
                     self.transport.push(stream, report, version, stages=stages, sums=remote_sums)
                 elif peers is not None:
                     self.transport.push(stream, report, version, peers=peers)
+                elif self._adapter_sync:
+                    self.adapters.push(stream, report, version)
                 else:
                     self.transport.push(stream, report, version)
             finally:
@@ -449,6 +468,8 @@ class WeightSync:
     def close(self) -> None:
         self.reprobe.close()
         self.transport.close()
+        if self.adapters is not None:
+            self.adapters.close()
         self.threads.shutdown(wait=False)
 
 

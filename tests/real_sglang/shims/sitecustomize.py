@@ -20,6 +20,16 @@ runs when its target module is first imported. Line numbers are those of the ins
    and each compiled op raises when called), except that ``torchvision/_meta_registrations.py``
    (lines 163, 177) registers fake kernels for ``torchvision::nms`` and ``::qnms`` without that
    guard. Their schemas are declared here first (no kernels), so the import works.
+3. ``pin_memory``: SGLang's LoRA code allocates page-locked host buffers unconditionally
+   (``sglang/srt/lora/layers.py`` lines 145, 324, 479, 594, 723, 814: ``pin_memory=True`` or
+   ``.pin_memory()``; ``lora/lora.py`` 533-539; ``lora/backend/torch_backend.py`` 225-241), and
+   a CPU-only torch has no pinned allocator ("pin_memory=True requires a CUDA or other
+   accelerator backend"): a server started with ``--enable-lora`` dies at start-up. Pinning only
+   speeds host-to-device copies, which a CPU server never makes: when the first of those
+   modules (or ``lora_manager``, ``mem_pool``) is imported, torch's factories drop
+   ``pin_memory`` and ``Tensor.pin_memory`` returns an unpinned copy (a copy, as pinning
+   makes one: returning the tensor itself would keep a sender's shared-memory tensors alive in
+   the server, and with them the sender's ``torch_shm_manager``).
 """
 
 from __future__ import annotations
@@ -71,8 +81,44 @@ def _before_torchvision_meta_registrations(module) -> None:
     _TORCHVISION_SCHEMAS.append(library)
 
 
+_PINNED_FACTORIES = (
+    "tensor", "empty", "zeros", "ones", "full", "arange", "empty_strided", "empty_like",
+    "zeros_like", "ones_like", "full_like",
+)  # fmt: skip
+
+
+def _before_sglang_lora(module) -> None:
+    import functools
+
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch.Tensor.pin_memory, "_unpinned", False):
+        return  # a real pinned allocator, or patched already
+
+    def unpinned(factory):
+        @functools.wraps(factory)
+        def call(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return call
+
+    for name in _PINNED_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+
+    def pin_memory(self, *args, **kwargs):  # a copy, as pinning makes one
+        return self.clone()
+
+    pin_memory._unpinned = True
+    torch.Tensor.pin_memory = pin_memory
+
+
 _PATCHES = {  # module -> (run before its code, run after its code)
     "torch.cuda": (None, _after_torch_cuda),
+    **{  # sglang/srt/lora is a namespace package: its first module imported
+        f"sglang.srt.lora.{name}": (_before_sglang_lora, None)
+        for name in ("layers", "lora", "lora_manager", "mem_pool", "backend.torch_backend")
+    },
     "torchvision._meta_registrations": (_before_torchvision_meta_registrations, None),
 }
 
