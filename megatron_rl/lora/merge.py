@@ -30,10 +30,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from megatron_rl.lora.peft_export import EXPERT_PAIRS
 from megatron_rl.model.conversion.safetensors_io import CheckpointReader, write_checkpoint
 
 PREFIX = "base_model.model."
-FUSED = {"experts.base_layer": "gate_up_proj", "experts": "down_proj"}  # PEFT's nesting
+# PEFT's module path of each fused-experts pair -> its parameter (the export's nesting)
+FUSED = {"experts." + holder if holder else "experts": param for param, holder, _ in EXPERT_PAIRS}
 
 
 def adapter_scale(config: dict) -> float:
@@ -135,12 +137,8 @@ def merge_peft_adapter(
                 yield name, weight
 
         write_checkpoint(merged(), tmp, max_shard_bytes=max_shard_bytes)
-    for item in base.iterdir():  # config, tokenizer, generation config: everything else
-        if (
-            item.is_file()
-            and not item.name.endswith(".safetensors")
-            and "safetensors" not in item.name
-        ):
+    for item in base.iterdir():  # config, tokenizer, generation config: all but the weights
+        if item.is_file() and "safetensors" not in item.name:  # shards and their index
             shutil.copy2(item, tmp / item.name)
     if dst.exists():
         shutil.rmtree(dst)

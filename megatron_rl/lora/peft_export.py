@@ -155,7 +155,8 @@ def _from_every_stage(tensors: dict, targets: list) -> tuple[dict, list]:
     if not torch.distributed.is_initialized():
         return tensors, targets
     group = parallel_state.get_pipeline_model_parallel_group()
-    if group.size() == 1 or 0 not in _ranks(group):  # only rank 0 writes
+    ranks = torch.distributed.get_process_group_ranks(group)
+    if group.size() == 1 or 0 not in ranks:  # only rank 0 writes
         return tensors, targets
     stages: list = [None] * group.size()
     torch.distributed.all_gather_object(stages, (tensors, targets), group=group)
@@ -163,10 +164,6 @@ def _from_every_stage(tensors: dict, targets: list) -> tuple[dict, list]:
         {k: v for stage, _ in stages for k, v in stage.items()},
         [t for _, stage in stages for t in stage],
     )
-
-
-def _ranks(group) -> list[int]:
-    return torch.distributed.get_process_group_ranks(group)
 
 
 def _gather_experts(local: torch.Tensor, group) -> torch.Tensor:
@@ -239,7 +236,12 @@ def save_peft_adapter(
     tensors, config = peft_adapter(model, hf_config)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
-    config = {"base_model_name_or_path": base_model, **config}
+    write_adapter_folder(folder, tensors, {"base_model_name_or_path": base_model, **config})
+
+
+def write_adapter_folder(folder: str | os.PathLike, tensors: dict, config: dict) -> None:
+    """``adapter_model.safetensors`` and ``adapter_config.json`` in ``folder``, each written
+    atomically."""
     os.makedirs(folder, exist_ok=True)
     atomic_save_file(tensors, os.path.join(folder, "adapter_model.safetensors"), {"format": "pt"})
     atomic_write_text(

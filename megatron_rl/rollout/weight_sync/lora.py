@@ -22,7 +22,6 @@ earlier run's, listed by ``GET /v1/models``): their names would collide, and the
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -110,19 +109,13 @@ class LoRATransport:
             self.sync.threads.submit(self._unload, old)
 
     def _write(self, tensors: dict[str, torch.Tensor], version: int) -> str:
-        from safetensors.torch import save_file
-
-        from megatron_rl.atomic_io import atomic_write_text
+        from megatron_rl.lora.peft_export import write_adapter_folder
 
         root = os.fspath(self.config.disk_dir)
         final = os.path.join(root, f"lora-v{version}")
         tmp = os.path.join(root, f".lora-v{version}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), {"format": "pt"})
-        atomic_write_text(
-            os.path.join(tmp, "adapter_config.json"), json.dumps(self.adapter_config, indent=2)
-        )
+        write_adapter_folder(tmp, tensors, self.adapter_config)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self._written.append(final)
