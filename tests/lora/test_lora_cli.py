@@ -88,8 +88,8 @@ def test_the_layout_trains_the_world_1_run(tmp_path_factory, layout):
     dense MLP, the shared and the routed experts; TP 2 without EP splits the experts, so there
     ``all_dense``): two steps' grad norms within 1e-5 relative of world 1's, the engine's
     log-probs the trainer's (merged weights, experts included), and the PEFT adapter the run
-    writes at its end world 1's (every shard gathered; 1e-4 relative). DP 2 draws its own samples
-    per rank, so it is checked for a finite, positive grad norm only."""
+    writes at its end world 1's (every shard gathered; to 1e-3 of each tensor's scale). DP 2
+    draws its own samples per rank, so it is checked for a finite, positive grad norm only."""
     layout_flags, mode = LAYOUTS[layout]
     flags = (
         "--model",
@@ -110,8 +110,12 @@ def test_the_layout_trains_the_world_1_run(tmp_path_factory, layout):
     if not layout.startswith("dp2"):  # the PEFT export gathers every TP/EP/PP shard
         adapter = _peft_tensors(tmp, layout)
         assert set(adapter) == set(world1_adapter)
+        # to 1e-3 of each tensor's scale: Adam moves an element whose gradient is near 0 by up
+        # to lr, so a last-bit gradient difference shows there (measured 3e-6 of 0.02 on the
+        # AVX2 path); a shard gathered wrongly or missing is off by the scale itself
         for key, tensor in world1_adapter.items():
-            torch.testing.assert_close(adapter[key], tensor, rtol=1e-4, atol=1e-6, msg=key)
+            scale = tensor.abs().max().item()
+            torch.testing.assert_close(adapter[key], tensor, rtol=0, atol=1e-3 * scale, msg=key)
     for a, b in zip(world1_rows, rows, strict=True):
         assert b["mismatch/train_rollout_logprob_abs_gap"] < 1e-5
         if layout.startswith("dp2"):
