@@ -38,6 +38,7 @@ from megatron_rl.backend.norm import SequenceParallelTorchNorm, swap_module_in_s
 from megatron_rl.backend.plain_linear import use_plain_linear
 from megatron_rl.backend.rope_tables import use_rope_tables
 from megatron_rl.backend.without_te import define_missing_te_symbols
+from megatron_rl.model.chunks import ModelChunks
 from megatron_rl.model.config import ModelOptions, to_transformer_config
 from megatron_rl.model.glm4_moe import rotary_percent
 from megatron_rl.model.grouped_experts import TorchGroupedMLP
@@ -96,8 +97,9 @@ def build_model(
     options: ModelOptions | None = None,
     *,
     spec: str | None = None,
-) -> GPTModel:
-    """The megatron-core GPTModel of ``hf_config`` for this rank's pipeline stage and shards.
+) -> GPTModel | ModelChunks:
+    """The megatron-core GPTModel of ``hf_config`` for this rank's pipeline stage and shards
+    (its `ModelChunks` under interleaved pipeline parallelism).
 
     ``parallel_state`` must be initialised (`megatron_rl.backend.init_distributed`). Weights are
     randomly initialised; load them with `megatron_rl.model.conversion.load_hf_checkpoint`.
@@ -117,10 +119,32 @@ def build_model(
     if num_routed_experts(hf_config) % ep:
         raise ValueError(f"num_experts={num_routed_experts(hf_config)} is not divisible by EP={ep}")
     config = to_transformer_config(hf_config, options, use_te=use_te)
+    vp = config.virtual_pipeline_model_parallel_size
+    # megatron's stage predicates and interleaved schedule read the virtual size from here
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vp)
+    if vp is None:
+        model = build_chunk(hf_config, options, config, use_te, None)
+    else:
+        model = ModelChunks([build_chunk(hf_config, options, config, use_te, c) for c in range(vp)])
+    device = compute_device()
+    if device.type == "cuda":
+        model.cuda(device)
+    check_placement(model, device)
+    logger.info(
+        "built %s-spec GPTModel: %d local parameters",
+        "te" if use_te else "local",
+        sum(p.numel() for p in model.parameters()),
+    )
+    return model
+
+
+def build_chunk(hf_config, options: ModelOptions, config, use_te: bool, vp_stage: int | None):
+    """One `GPTModel`: this rank's pipeline stage, or its chunk ``vp_stage`` of an interleaved
+    pipeline (its layers per `megatron_rl.model.stages.virtual_chunk_layers`)."""
     with warnings.catch_warnings():  # "legacy GroupedMLP will be deprecated": it is replaced
         warnings.filterwarnings("ignore", message="The legacy GroupedMLP")
         block_spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=use_te, normalization="RMSNorm"
+            config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage
         )
     if not use_te:
         define_missing_te_symbols()
@@ -143,8 +167,9 @@ def build_model(
         transformer_layer_spec=block_spec,
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        vp_stage=vp_stage,
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf_config.tie_word_embeddings),
         position_embedding_type="rope",
@@ -158,15 +183,6 @@ def build_model(
     if config.multi_latent_attention:
         shard_mla_kv_down_proj_grads(model)  # k_rope's gradient under TP (see mla_attention)
     mask_padding_in_expert_bias(model)  # padded tokens out of the bias counts (router_padding)
-    device = compute_device()
-    if device.type == "cuda":
-        model.cuda(device)
-    check_placement(model, device)
-    logger.info(
-        "built %s-spec GPTModel: %d local parameters",
-        "te" if use_te else "local",
-        sum(p.numel() for p in model.parameters()),
-    )
     return model
 
 

@@ -23,7 +23,7 @@ from megatron_rl.model.deepseek_v3 import deepseek_v3_fields
 from megatron_rl.model.glm4_moe import glm4_moe_fields
 from megatron_rl.model.options import ModelOptions
 from megatron_rl.model.presets import model_family
-from megatron_rl.model.stages import megatron_stage_layers
+from megatron_rl.model.stages import megatron_stage_layers, virtual_chunk_layers
 from megatron_rl.moe_layers import moe_layer_pattern
 
 # apex's CUDA extension behind megatron's gradient-accumulation fusion in its own linear layers
@@ -109,12 +109,23 @@ def to_transformer_config(
                 options.first_stage_layers,
                 options.last_stage_layers,
             )
+            vp = options.virtual_pipeline_size(hf_config.num_hidden_layers, pp)
+            if vp is not None:
+                virtual_chunk_layers(
+                    hf_config.num_hidden_layers,
+                    pp,
+                    vp,
+                    options.first_stage_layers,
+                    options.last_stage_layers,
+                )
         except ValueError as error:
             raise ValueError(
-                f"pipeline parallel size {pp}: {error}; choose --pipeline-model-parallel-size "
-                "or --decoder-first/last-pipeline-num-layers so that the layers split"
+                f"pipeline parallel size {pp}: {error}; choose --pipeline-model-parallel-size, "
+                "--decoder-first/last-pipeline-num-layers or the virtual pipeline size so that "
+                "the layers split"
             ) from error
         extra.update(
+            virtual_pipeline_model_parallel_size=vp,
             pipeline_dtype=dtype,
             variable_seq_lengths=True,
             num_layers_in_first_pipeline_stage=options.first_stage_layers,
@@ -122,6 +133,8 @@ def to_transformer_config(
         )
     elif options.first_stage_layers is not None or options.last_stage_layers is not None:
         raise ValueError("first_stage_layers / last_stage_layers need pipeline parallel size > 1")
+    else:
+        options.virtual_pipeline_size(hf_config.num_hidden_layers, pp)  # refuses VP at PP 1
     return config_class(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,

@@ -74,9 +74,27 @@ class ModelOptions:
         name="decoder-last-pipeline-num-layers",
         help="layers of the last pipeline stage (uneven stages); the rest are split evenly",
     )
+    # interleaved pipeline: model chunks per pipeline rank (see model/stages.virtual_stage_size)
+    virtual_stages: int | None = option(
+        None,
+        name="virtual-pipeline-model-parallel-size",
+        help="model chunks per pipeline rank: megatron's interleaved 1F1B schedule, whose bubble "
+        "is 1/VP of plain 1F1B's (needs PP > 1; each stage's layers divisible by it)",
+    )
+    layers_per_virtual_stage: int | None = option(
+        None,
+        name="num-layers-per-virtual-pipeline-stage",
+        help="layers per model chunk (Megatron-LM's flag): the virtual pipeline size is "
+        "num_layers / PP / this; not with --decoder-first/last-pipeline-num-layers",
+    )
 
     def __post_init__(self) -> None:
-        for name in ("first_stage_layers", "last_stage_layers"):
+        for name in (
+            "first_stage_layers",
+            "last_stage_layers",
+            "virtual_stages",
+            "layers_per_virtual_stage",
+        ):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= 1):
                 raise bad_value(self, name, "must be an integer >= 1")
@@ -86,6 +104,20 @@ class ModelOptions:
         if self.aux_loss_coeff < 0:
             raise bad_value(self, "aux_loss_coeff", "must be >= 0")
         check_choice(self, "token_dispatcher", ("alltoall", "allgather"))
+
+    def virtual_pipeline_size(self, num_layers: int, pipeline_parallel: int) -> int | None:
+        """Model chunks per pipeline rank (None: plain 1F1B); ValueError naming the flags
+        megatron would refuse (`megatron_rl.model.stages.virtual_stage_size`)."""
+        from megatron_rl.model.stages import virtual_stage_size
+
+        uneven = self.first_stage_layers is not None or self.last_stage_layers is not None
+        return virtual_stage_size(
+            num_layers,
+            pipeline_parallel,
+            self.virtual_stages,
+            self.layers_per_virtual_stage,
+            uneven=uneven,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.transformer.moe.router import TopKRouter
 
@@ -64,10 +63,11 @@ def padding_mask_BS(model, lengths: Sequence[int], seq: int, device) -> torch.Te
     """Megatron's ``padding_mask`` for rows of ``lengths`` tokens padded to ``seq``: bool
     ``[b, s]``, True at position t >= length. On a pipeline stage after the first under sequence
     parallelism, this rank's sequence chunk ``[b, s / TP]`` (megatron scatters it on the first
-    stage only)."""
+    stage only: the model chunk that embeds, ``model.pre_process``)."""
     lengths_B1 = torch.as_tensor(list(lengths), device=device).unsqueeze(1)
     mask_BS = torch.arange(seq, device=device).unsqueeze(0) >= lengths_B1
-    if model.config.sequence_parallel and not parallel_state.is_pipeline_first_stage():
+    first_stage = getattr(model, "module", model).pre_process  # model may be DDP-wrapped
+    if model.config.sequence_parallel and not first_stage:
         mask_SB = scatter_to_sequence_parallel_region(mask_BS.transpose(0, 1).contiguous())
         mask_BS = mask_SB.transpose(0, 1).contiguous()
     return mask_BS

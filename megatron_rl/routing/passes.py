@@ -16,7 +16,9 @@ backward) without knowing the mode; `RoutingReplay` underneath drives megatron's
 Pipeline schedules run many micro-batches' forwards and backwards interleaved (1F1B), so a pass
 spans the whole schedule instead: `ReplayPasses.schedule` opens it, and megatron's
 ``forward_step_func`` calls `before_forward` / `after_forward` around each micro-batch's forward
-on this stage (its local MoE layers only).
+on this stage (its local MoE layers only), naming the model chunk that runs it (interleaved
+pipelines run a micro-batch's chunks at different times: each chunk takes or records its own
+layers' routes).
 
 A behaviour pass may run several micro-batches as one merged forward
 (`megatron_rl.train.merged_pass`): R3 then replays their routes concatenated, and R2's recording
@@ -112,14 +114,16 @@ class ReplayPasses:
         routes, counted = self._targets(key, batch, phase)
         return self.driver.replay(routes=routes, phase=phase, counted_rows=counted)
 
-    def _targets(self, key: Hashable, batch: RoutedMicroBatch, phase: str):
+    def _targets(
+        self, key: Hashable, batch: RoutedMicroBatch, phase: str, *, count_bytes: bool = True
+    ):
         """``(routes per local MoE layer, counted rows)`` to replay into micro-batch ``key``:
         R2's recording, or R3's engine routes (whose bytes the behaviour pass counts in
         ``routing/bytes_per_rank``: they are held from the rollout to the step's last update)."""
         counted = self._counted_rows(batch)
         if self.mode == "r2":
             return self.driver.recorded_routes(key), counted
-        if phase == "behaviour":
+        if phase == "behaviour" and count_bytes:  # once per micro-batch, not per model chunk
             self._sample_route_bytes += sum(blob.nbytes for blob in batch.routes if blob)
         return self._engine_routes(batch), counted
 
@@ -148,7 +152,8 @@ class ReplayPasses:
     def schedule(self, phase: str):
         """One pass over every micro-batch of a pipeline schedule; ``phase``: "behaviour" (the
         old-logprob pass) or "update". Yields ``(before_forward, after_forward)``, two functions
-        of ``(key, batch)`` to call around each micro-batch's forward on this stage."""
+        of ``(key, batch, chunk)`` to call around each micro-batch's forward by model chunk
+        ``chunk`` of this stage (0 without interleaving)."""
         if phase not in ("behaviour", "update"):
             raise ValueError(f"phase={phase!r}: use 'behaviour' or 'update'")
         if self.mode == "off":
@@ -161,15 +166,16 @@ class ReplayPasses:
         succeeded = False
         try:
             if records:
-                yield _nothing, lambda key, batch: self.driver.keep_recorded(key)
+                yield _nothing, lambda key, batch, chunk: self.driver.keep_recorded(key, chunk)
             else:
-                yield (lambda key, batch: self._push(key, batch, phase)), _nothing
+                yield (lambda key, batch, chunk: self._push(key, batch, phase, chunk)), _nothing
             succeeded = True
         finally:
             self.driver.finish_pass(succeeded)
 
-    def _push(self, key: Hashable, batch: RoutedMicroBatch, phase: str) -> None:
-        self.driver.push(*self._targets(key, batch, phase))
+    def _push(self, key: Hashable, batch: RoutedMicroBatch, phase: str, chunk: int) -> None:
+        routes, counted = self._targets(key, batch, phase, count_bytes=chunk == 0)
+        self.driver.push(routes, counted, chunk=chunk)
 
     def _engine_routes(self, batch: RoutedMicroBatch) -> list[torch.Tensor]:
         if any(blob is None for blob in batch.routes):
@@ -200,8 +206,8 @@ class ReplayPasses:
             self.driver.close()
 
 
-def _nothing(key: Hashable, batch: RoutedMicroBatch) -> None:
-    del key, batch
+def _nothing(key: Hashable, batch: RoutedMicroBatch, chunk: int) -> None:
+    del key, batch, chunk
 
 
 def build_replay_passes(

@@ -17,7 +17,11 @@ patched.
 Schedules: ``push`` sets one micro-batch's targets right before its forward (call it from a
 megatron ``forward_step_func`` for pipeline schedules); after each forward of a model chunk a
 forward hook switches that chunk's routers to REPLAY_BACKWARD, so activation recompute in the
-backward pass pops the same targets (FIFO, as 1F1B runs backwards in forward order). ``end_pass``
+backward pass pops the same targets (FIFO, as 1F1B runs backwards in forward order). Under
+interleaved pipeline parallelism the model chunks run one micro-batch's forward at different
+times, so ``push(..., chunk=c)`` and ``keep_recorded(key, chunk=c)`` act on chunk ``c``'s routers
+only, and each chunk counts its own micro-batches (every chunk runs its backwards in its forward
+order too). ``end_pass``
 checks that every pushed route was consumed exactly once by the forward (and once by the
 recompute when a backward ran) and raises ``RuntimeError`` naming the layer and the counts.
 The ``record`` / ``replay`` context managers wrap this for one micro-batch.
@@ -89,6 +93,7 @@ class RoutingReplay:
         self._agree = {p: torch.zeros(num_layers, dtype=torch.float64) for p in PHASES}
         self._seen = {p: torch.zeros(num_layers, dtype=torch.float64) for p in PHASES}
         self._phase = "update"
+        self.num_chunks = len(chunks)
         self._reset_pass()
         self._handles = [
             router.register_forward_pre_hook(self._make_router_hook(j))
@@ -103,11 +108,13 @@ class RoutingReplay:
     def _reset_pass(self) -> None:
         num_layers = len(self.routers)
         self._kind: str | None = None
-        self._pushed = 0
+        self._pushed = [0] * self.num_chunks  # micro-batches pushed / recorded, per chunk
         self._forward_calls = [0] * num_layers
         self._recompute_calls = [0] * num_layers
-        self._targets: list[torch.Tensor] | None = None
-        self._counted: torch.Tensor | None = None
+        self._targets: list[torch.Tensor | None] = [None] * num_layers
+        self._counted: list[torch.Tensor | None] = [None] * self.num_chunks
+        # R2 under interleaving: a micro-batch's recording, chunk by chunk, until all recorded
+        self._partial: dict[Hashable, dict[int, torch.Tensor]] = {}
 
     def start_pass(self, kind: str) -> None:
         """Begin a ``"record"`` or ``"replay"`` pass over one or more micro-batches."""
@@ -122,13 +129,27 @@ class RoutingReplay:
         if kind == "record":  # recording never changes the routing, also in record_only mode
             self._set_action(RouterReplayAction.RECORD)
 
+    def _chunk_layers(self, chunk: int | None) -> list[int]:
+        """Indices into ``self.routers`` of model chunk ``chunk``'s routers (None: all)."""
+        if chunk is not None and not 0 <= chunk < self.num_chunks:
+            raise ValueError(f"chunk={chunk}: this rank has {self.num_chunks} model chunk(s)")
+        return [j for j, c in enumerate(self._chunk_of) if chunk is None or c == chunk]
+
+    def _chunks(self, chunk: int | None) -> list[int]:
+        return list(range(self.num_chunks)) if chunk is None else [chunk]
+
     def push(
-        self, routes_per_layer: Sequence[torch.Tensor], counted_rows: torch.Tensor | None = None
+        self,
+        routes_per_layer: Sequence[torch.Tensor],
+        counted_rows: torch.Tensor | None = None,
+        chunk: int | None = None,
     ) -> None:
         """Targets ``[rows, K]`` per local MoE layer for the next micro-batch forward.
 
         ``counted_rows`` (bool ``[rows]``): the rows whose agreement is measured (real tokens
-        with a real route); None counts every row."""
+        with a real route); None counts every row. ``chunk``: only that model chunk's routers
+        take their targets (interleaved pipeline: its forward of the micro-batch comes next;
+        the other chunks' targets stay those of the micro-batches they run); None: all."""
         if self._kind != "replay":
             raise RuntimeError("push() needs an open replay pass (start_pass('replay'))")
         if len(routes_per_layer) != len(self.routers):
@@ -136,47 +157,57 @@ class RoutingReplay:
                 f"got routes for {len(routes_per_layer)} MoE layers, this rank has "
                 f"{len(self.routers)} (layers {self.layer_numbers})"
             )
-        # on each router's device: decoded routes arrive on the CPU, the router may be on CUDA
-        self._targets = [
-            t.to(device=router.weight.device, dtype=torch.int64)
-            for t, router in zip(routes_per_layer, self.routers, strict=True)
-        ]
-        self._counted = counted_rows
-        self._pushed += 1
-        if not self.config.record_only:
-            for router, target in zip(self.routers, self._targets, strict=True):
+        layers = self._chunk_layers(chunk)
+        for j in layers:  # on each router's device: decoded routes arrive on the CPU
+            router = self.routers[j]
+            target = routes_per_layer[j].to(device=router.weight.device, dtype=torch.int64)
+            self._targets[j] = target
+            if not self.config.record_only:
                 router.router_replay.set_target_indices(target)
                 router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        for c in self._chunks(chunk):
+            self._counted[c] = counted_rows
+            self._pushed[c] += 1
 
-    def pop_recorded(self) -> torch.Tensor:
-        """``[rows, local_layers, K]`` routing of the micro-batch the record pass just ran;
-        ``[0, 0, K]`` on a pipeline stage without MoE layers."""
+    def pop_recorded(self, chunk: int | None = None) -> torch.Tensor:
+        """``[rows, local_layers, K]`` routing of the micro-batch the record pass just ran
+        (``chunk``: only that model chunk's layers, its forward just ran); ``[0, 0, K]`` where
+        those layers are dense only (they route nothing)."""
         if self._kind != "record":
             raise RuntimeError("pop_recorded() needs an open record pass")
-        if not self.routers:  # a pipeline stage of dense layers only: it routes nothing
-            self._pushed += 1
+        layers = self._chunk_layers(chunk)
+        for c in self._chunks(chunk):
+            self._pushed[c] += 1
+        if not layers:
             return torch.empty((0, 0, self.codec.topk), dtype=torch.int64)
-        recorded = [r.router_replay.get_recorded_indices() for r in self.routers]
-        for number, indices in zip(self.layer_numbers, recorded, strict=True):
+        recorded = [self.routers[j].router_replay.get_recorded_indices() for j in layers]
+        for j, indices in zip(layers, recorded, strict=True):
             if indices is None:
-                raise RuntimeError(f"MoE layer {number} recorded nothing: did the forward run?")
-        for router in self.routers:
-            router.router_replay.record_indices(None)
-        self._pushed += 1
+                raise RuntimeError(
+                    f"MoE layer {self.layer_numbers[j]} recorded nothing: did the forward run?"
+                )
+        for j in layers:
+            self.routers[j].router_replay.record_indices(None)
         return torch.stack(recorded, dim=1)
 
     def end_pass(self) -> None:
         """Check that every route was consumed exactly once; clear megatron's replay state."""
         try:
-            # activation recompute replays once per micro-batch, or not at all (no backward ran)
-            expected_recompute = self._pushed if self._recompute_configured() else 0
+            if self._partial:
+                raise RuntimeError(
+                    "micro-batches recorded by some model chunks only: "
+                    + ", ".join(f"{k!r} by chunks {sorted(v)}" for k, v in self._partial.items())
+                )
             for j, number in enumerate(self.layer_numbers):
+                pushed = self._pushed[self._chunk_of[j]]
+                # activation recompute replays once per micro-batch, or not at all (no backward)
+                expected_recompute = pushed if self._recompute_configured() else 0
                 forward, recompute = self._forward_calls[j], self._recompute_calls[j]
-                if forward != self._pushed or recompute not in (0, expected_recompute):
+                if forward != pushed or recompute not in (0, expected_recompute):
                     raise RuntimeError(
-                        f"MoE layer {number}: {self._pushed} micro-batch(es) of routes, consumed "
+                        f"MoE layer {number}: {pushed} micro-batch(es) of routes, consumed "
                         f"{forward} time(s) by forward and {recompute} by backward recompute "
-                        f"(expected {self._pushed} and {expected_recompute})"
+                        f"(expected {pushed} and {expected_recompute})"
                     )
         finally:
             for router in self.routers:
@@ -250,14 +281,31 @@ class RoutingReplay:
                 f"targets are {tuple(target.shape)}"
             )
         same = (own == target.to(own.device).sort(dim=-1).values).all(dim=-1)
-        if self._counted is not None:  # padding rows and rows without a route of their own
-            same = same[self._counted.to(same.device)]
+        counted = self._counted[self._chunk_of[j]]
+        if counted is not None:  # padding rows and rows without a route of their own
+            same = same[counted.to(same.device)]
         self._agree[self._phase][j] += same.sum().item()
         self._seen[self._phase][j] += same.numel()
 
-    def keep_recorded(self, key: Hashable) -> None:
-        """Store the routing the record pass just ran (one micro-batch) under ``key`` (R2)."""
-        self._recorded[key] = self.codec.encode(self.pop_recorded())
+    def keep_recorded(self, key: Hashable, chunk: int | None = None) -> None:
+        """Store the routing the record pass just ran (one micro-batch) under ``key`` (R2).
+
+        ``chunk``: only that model chunk's forward ran (interleaved pipeline); the micro-batch's
+        recording is stored once every chunk has recorded it, and a chunk recording a key twice
+        is an error (a route would be kept for the wrong micro-batch)."""
+        if chunk is None or self.num_chunks == 1:
+            self._recorded[key] = self.codec.encode(self.pop_recorded(chunk))
+            return
+        parts = self._partial.setdefault(key, {})
+        if chunk in parts or key in self._recorded:
+            raise RuntimeError(f"model chunk {chunk} recorded micro-batch {key!r} twice")
+        parts[chunk] = self.pop_recorded(chunk)
+        if len(parts) < self.num_chunks:
+            return
+        del self._partial[key]
+        held = [parts[c] for c in range(self.num_chunks) if parts[c].shape[1]]
+        whole = torch.cat(held, dim=1) if held else parts[0]  # chunk order = self.routers order
+        self._recorded[key] = self.codec.encode(whole.contiguous())
 
     def split_recorded(self, key: Hashable, parts: Sequence[tuple[Hashable, torch.Tensor]]) -> None:
         """Replace the recording under ``key`` by one per ``(part_key, rows)``: its rows

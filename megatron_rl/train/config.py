@@ -128,6 +128,26 @@ class TrainConfig:
             if any(getattr(section, f) != v for f, v in wanted.items()):
                 object.__setattr__(self, name, dataclasses.replace(section, **wanted))
 
+    def _check_interleaving(self) -> None:
+        """The virtual pipeline flags' refusals that need no model config (the layer split is
+        checked where the model config is known: `megatron_rl.model.config`)."""
+        model, pp = self.model, self.parallel.pipeline_parallel
+        if model.virtual_stages not in (None, 1) or model.layers_per_virtual_stage is not None:
+            from megatron_rl.model.stages import virtual_stage_size
+
+            uneven = model.first_stage_layers is not None or model.last_stage_layers is not None
+            # any layer count that splits: only the flag combinations are checked here
+            layers = pp * (model.layers_per_virtual_stage or 1)
+            virtual_stage_size(
+                layers, pp, model.virtual_stages, model.layers_per_virtual_stage, uneven=uneven
+            )
+            if self.lora.enabled:
+                raise ValueError(
+                    "--lora-rank with an interleaved pipeline (--virtual-pipeline-model-parallel-"
+                    "size / --num-layers-per-virtual-pipeline-stage): not supported yet; use "
+                    "plain pipeline stages"
+                )
+
     def _check_across_sections(self) -> None:
         if self.parallel.context_parallel > 1:
             raise ValueError(
@@ -135,6 +155,7 @@ class TrainConfig:
                 "parallelism needs Transformer Engine's attention); use tensor/pipeline/expert "
                 "parallelism"
             )
+        self._check_interleaving()
         stages = {"first": self.model.first_stage_layers, "last": self.model.last_stage_layers}
         for name, value in stages.items():
             if value is not None and self.parallel.pipeline_parallel == 1:
@@ -332,6 +353,23 @@ class TrainConfig:
             raise ValueError(
                 f"--global-batch-size {schedule.global_batch_size} is not divisible by "
                 f"--micro-batch-size x data-parallel size = {micro} x {dp}"
+            )
+        interleaved = self.model.virtual_stages not in (None, 1) or (
+            self.model.layers_per_virtual_stage is not None
+        )
+        per_rank = schedule.global_batch_size // dp
+        if interleaved and per_rank < p.pipeline_parallel:
+            raise ValueError(
+                f"the interleaved pipeline schedule needs >= PP={p.pipeline_parallel} "
+                f"micro-batches per update and a data-parallel rank holds {per_rank} samples "
+                "of one: raise --global-batch-size or lower the data-parallel size"
+            )
+        if interleaved and not schedule.token_budget and per_rank // micro < p.pipeline_parallel:
+            raise ValueError(
+                f"the interleaved pipeline schedule needs >= PP={p.pipeline_parallel} "
+                f"micro-batches per update, got --global-batch-size {schedule.global_batch_size}"
+                f" / (data-parallel size {dp} x --micro-batch-size {micro}) = {per_rank // micro}:"
+                " lower --micro-batch-size or raise --global-batch-size"
             )
         if self.rollout.rollout_batch_size % dp:
             raise ValueError(

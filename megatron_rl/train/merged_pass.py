@@ -20,7 +20,8 @@ merged forwards as a token budget allows and gives every micro-batch what `run_p
   schedule with variable shapes); every stage derives the same grouping from the same shapes;
 * data parallelism: forwards must pair up across data-parallel ranks (expert-parallel
   all-to-alls run between them), so with ``group`` the ranks agree on the largest number of
-  forwards and a rank with fewer splits its largest merged batches (`split_to_count`).
+  forwards and a rank with fewer splits its largest merged batches (`split_to_count`); under
+  interleaved pipeline parallelism there are at least PP forwards (megatron's schedule needs them).
 
 A real token's result does not depend on what merging adds (rows of other micro-batches, padding
 on the right) because: attention is causal within a row, so a position reads only positions
@@ -44,7 +45,7 @@ import torch
 from megatron_rl.collectives import max_over_ranks
 from megatron_rl.routing.passes import ReplayPasses
 from megatron_rl.train.batch import MicroBatch, merge_micro_batches
-from megatron_rl.train.pipeline import OnLogits, run_pass
+from megatron_rl.train.pipeline import OnLogits, min_micro_batches, run_pass
 
 # Padded tokens per merged forward when the update micro-batches have no token budget. A
 # forward-only pass at this size holds one [tokens, V / tp] logits tensor and one layer's
@@ -140,9 +141,11 @@ def forward_only_pass(
     shapes = [(mb.tokens_BS.shape[0], mb.tokens_BS.shape[1]) for mb in micro_batches]
     budget = max_tokens if replay.can_merge_behaviour() else 0
     groups = plan_forwards(shapes, budget, pad_widths=pad_widths)
+    count = len(groups)
     if group is not None:
-        (count,) = max_over_ranks([len(groups)], group)
-        groups = split_to_count(groups, int(count))
+        (count,) = max_over_ranks([count], group)
+    # the interleaved pipeline schedule needs >= PP forwards (the same on every stage)
+    groups = split_to_count(groups, max(int(count), min_micro_batches()))
     batches, forward_keys = [], []
     for n, members in enumerate(groups):
         if len(members) == 1:

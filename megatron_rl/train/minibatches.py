@@ -14,6 +14,8 @@ import torch
 from megatron_rl.collectives import all_gather_objects
 from megatron_rl.train.balance import karmarkar_karp, token_budget_micro_batches
 from megatron_rl.train.batch import MicroBatch, TrainSample, make_micro_batch, split
+from megatron_rl.train.merged_pass import split_to_count
+from megatron_rl.train.pipeline import min_micro_batches
 from megatron_rl.train.rank_topology import RankTopology
 from megatron_rl.train.schedule import ScheduleConfig
 
@@ -81,11 +83,14 @@ def micro_batches(
     device: torch.device,
 ) -> list[MicroBatch]:
     """One mini-batch share as padded micro-batches on ``device``: ``micro_batch_size`` rows
-    each, or by token budget (``--max-tokens-per-gpu``; longest samples first)."""
+    each, or by token budget (``--max-tokens-per-gpu``; longest samples first; under interleaved
+    pipeline parallelism at least PP of them, the largest split in two until there are)."""
     if schedule.token_budget:
         groups = token_budget_micro_batches(
             [s.length for s in samples], schedule.token_budget, seq_multiple
         )
+        # the interleaved pipeline schedule needs >= PP micro-batches: split the largest
+        groups = split_to_count(groups, min_micro_batches())
         chunks = [[samples[i] for i in group] for group in groups]
     else:
         chunks = split(samples, schedule.micro_batch_size)

@@ -38,6 +38,7 @@ from megatron_rl.collectives import (
 )
 from megatron_rl.lora.checkpoint import base_identity, check_same_base
 from megatron_rl.losses.clip_positions import clip_profile_from_counts
+from megatron_rl.model.chunks import as_chunks
 from megatron_rl.moe_layers import moe_layer_numbers, num_routed_experts
 from megatron_rl.rollout.build import ready_engine
 from megatron_rl.rollout.protocol import RolloutEngine
@@ -222,7 +223,7 @@ class Trainer:
         replays, from ``--routing-replay`` and this rank's token layout."""
         parallel, hf = self.config.parallel, self.hf_config
         return build_replay_passes(
-            self.model,
+            as_chunks(self.model),
             self.config.replay,
             num_experts=num_routed_experts(hf),
             topk=hf.num_experts_per_tok,

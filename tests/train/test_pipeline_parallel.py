@@ -79,6 +79,26 @@ LAYOUTS = {
         2,
     ),
     "pp2_ep2": ({}, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}, 4),
+    # interleaved: rank 0 holds layers {0} and {2}, rank 1 {1} and {3}
+    "pp2_vp2": (
+        {},
+        {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+        2,
+    ),
+    "pp2_vp2_r2_kl": (
+        # one forward per micro-batch in every pass (a 12-token budget: 2 rows of 6), so that
+        # both runs' forwards have the same shapes: the first update's gradient is ~0 here
+        # (policy = reference, zero-advantage groups) and Adam turns last-bit differences of
+        # a ~0 gradient into lr-sized steps
+        {"routing_replay": "r2", "kl_coef": 0.05, "max_tokens_per_gpu": 12},
+        {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
+        2,
+    ),
+    "pp2_vp2_r3": (
+        {"routing_replay": "r3"},
+        {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+        2,
+    ),
 }
 
 
@@ -110,7 +130,7 @@ def test_pipeline_stages_train_exactly_like_one_stage(tmp_path, shared, name):
     compared = sorted(set(one["metrics"]) - timings) if world == 2 else ["grad_norm"]
     for key in compared:  # log-probs, entropy, losses, clip fractions, grad norms
         want = one["metrics"][key]
-        assert staged["metrics"][key] == pytest.approx(want, rel=1e-5, abs=1e-7), key
+        assert staged["metrics"][key] == pytest.approx(want, rel=1e-5, abs=5e-7), key
     assert one["metrics"]["grad_norm"] > 0 and "entropy" in one["metrics"]
     assert set(staged["weights"]) == set(one["weights"])  # every stage's tensors arrived
     # summing gradients over data-parallel ranks reorders float additions; Adam divides by
@@ -150,3 +170,39 @@ def test_a_layer_split_megatron_would_refuse_names_the_flags(
     with pytest.raises(ValueError, match=match) as error:
         to_transformer_config(preset_config("tiny", num_hidden_layers=4), options, use_te=False)
     assert "--decoder-first/last-pipeline-num-layers" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        ({"virtual_pipeline_model_parallel_size": 2}, "needs --pipeline-model-parallel-size > 1"),
+        (
+            {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1,
+             "decoder_first_pipeline_num_layers": 2},
+            "Megatron-LM refuses it",
+        ),
+        (
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+             "lora_rank": 4},
+            "--lora-rank with an interleaved pipeline",
+        ),
+    ],
+)  # fmt: skip
+def test_interleaving_flags_megatron_refuses_are_refused_at_parse_time(flags, match):
+    from megatron_rl.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_flags(**flags)
+
+
+def test_too_few_micro_batches_for_the_interleaved_schedule_name_the_flags():
+    from megatron_rl.train.config import TrainConfig
+
+    config = TrainConfig.from_flags(
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        global_batch_size=32,
+        micro_batch_size=32,
+    )
+    with pytest.raises(ValueError, match="lower --micro-batch-size or raise --global-batch-size"):
+        config.data_parallel_size(2)

@@ -23,6 +23,7 @@ from transformers import Qwen3MoeConfig
 
 from megatron_rl.atomic_io import atomic_write_text
 from megatron_rl.collectives import any_rank, broadcast_object, group_device
+from megatron_rl.model.chunks import as_chunks
 from megatron_rl.model.conversion.load import weight_entries
 from megatron_rl.model.conversion.names import rank_tensor_maps
 from megatron_rl.model.conversion.safetensors_io import write_checkpoint
@@ -46,11 +47,17 @@ def _iter_full(
     model: torch.nn.Module, cfg: Qwen3MoeConfig, experts: bool | None = None
 ) -> Iterator[tuple]:
     """(TensorMap, full canonical tensor) for every tensor of this rank's pipeline stage (only
-    the experts' with ``experts=True``, only the others' with False)."""
-    rank = model_rank_layout(model)
-    params = weight_entries(model)
+    the experts' with ``experts=True``, only the others' with False), chunk by chunk under
+    interleaved pipeline parallelism."""
+    for chunk in as_chunks(model):
+        yield from _iter_full_chunk(chunk, cfg, experts)
+
+
+def _iter_full_chunk(chunk: torch.nn.Module, cfg, experts: bool | None) -> Iterator[tuple]:
+    rank = model_rank_layout(chunk)
+    params = weight_entries(chunk)
     num_local_experts = num_routed_experts(cfg) // rank.ep_size
-    for tmap in rank_tensor_maps(cfg, model_layout_name(model), rank):
+    for tmap in rank_tensor_maps(cfg, model_layout_name(chunk), rank):
         if experts is not None and (tmap.local_expert is not None) != experts:
             continue
         local = params[tmap.param].detach()

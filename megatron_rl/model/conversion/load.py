@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import Qwen3MoeConfig
 
+from megatron_rl.model.chunks import as_chunks
 from megatron_rl.model.conversion.names import (
     TensorMap,
     expected_canonical_shapes,
@@ -133,7 +134,8 @@ def load_checkpoint(
     """Copy this rank's shard of the checkpoint in ``folder`` into ``model``'s parameters.
 
     Args:
-        model: a GPTModel from `megatron_rl.model.build_model` (local or TE spec, any TP/EP/PP).
+        model: a GPTModel (or the `ModelChunks` of an interleaved pipeline) from
+            `megatron_rl.model.build_model` (local or TE spec, any TP/EP/PP/VP).
         folder: HF checkpoint or canonical Megatron checkpoint (safetensors, sharded or not).
         hf_config: the model's HF config (object, config.json or folder).
         fmt: "hf", "megatron" or "auto" (detected from the tensor names).
@@ -184,27 +186,28 @@ def copy_full_tensors(
             "load the base checkpoint before adding LoRA adapters: an adapted layer's weight "
             "entry is the merged W + (alpha / r) B A, not a parameter to copy into"
         )
-    rank = model_rank_layout(model)
-    maps = rank_tensor_maps(cfg, model_layout_name(model), rank)
-    params = weight_entries(model)
-    unmapped = set(params) - {m.param for m in maps}
-    unknown = {m.param for m in maps} - set(params)
-    if unmapped or unknown:
-        raise RuntimeError(
-            f"model parameters and name map disagree: unmapped {_listed(unmapped)}; "
-            f"not in model {_listed(unknown)}"
-        )
-    staged: dict[str, torch.Tensor] = {}
-    for tmap in progress(maps) if progress else maps:
-        part = shard(tmap, full_tensor(tmap), *shard_coords(tmap.group, rank))
-        target = params[tmap.param]
-        if tuple(part.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{tmap.param}: checkpoint shard has shape {tuple(part.shape)}, "
-                f"the model parameter {tuple(target.shape)}"
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for chunk in as_chunks(model):  # interleaved pipeline: each chunk maps its own layers
+        rank = model_rank_layout(chunk)
+        maps = rank_tensor_maps(cfg, model_layout_name(chunk), rank)
+        params = weight_entries(chunk)
+        unmapped = set(params) - {m.param for m in maps}
+        unknown = {m.param for m in maps} - set(params)
+        if unmapped or unknown:
+            raise RuntimeError(
+                f"model parameters and name map disagree: unmapped {_listed(unmapped)}; "
+                f"not in model {_listed(unknown)}"
             )
-        staged[tmap.param] = part
+        for tmap in progress(maps) if progress else maps:
+            part = shard(tmap, full_tensor(tmap), *shard_coords(tmap.group, rank))
+            target = params[tmap.param]
+            if tuple(part.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{tmap.param}: checkpoint shard has shape {tuple(part.shape)}, "
+                    f"the model parameter {tuple(target.shape)}"
+                )
+            staged.append((target, part))
     with torch.no_grad():
-        for name, tensor in staged.items():
-            params[name].copy_(tensor)
+        for target, tensor in staged:
+            target.copy_(tensor)
     return len(staged)
