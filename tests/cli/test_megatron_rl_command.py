@@ -42,6 +42,7 @@ BENCH_OPTION = {
     "routing": "--memory-json",
     "codecs": "--topk",
     "batching": "--budgets",
+    "pipeline": "--micro-batches",
 }
 # the old entry points: each script in tools/ and the command whose main it calls
 SHIMS = {

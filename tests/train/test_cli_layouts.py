@@ -39,7 +39,16 @@ ASYNC, KL = ("--async-rollout",), ("--kl-coef", "0.01")
 # batch by dynamic sampling: both run collectives over the layout's groups
 EVAL, DYNAMIC = ("--eval-interval", "1", "--eval-before-train"), ("--dynamic-sampling",)
 
-LAYOUTS = {"pp2": PP2, "pp2-uneven": UNEVEN, "tp2sp": TP2, "ep2": EP2, "dp2-distopt-overlap": DP2}
+# interleaved: 2 model chunks per stage (rank 0 holds layers 1 and 3, rank 1 layers 2 and 4)
+VP2 = (*PP2, "--virtual-pipeline-model-parallel-size", "2")
+LAYOUTS = {
+    "pp2": PP2,
+    "pp2-uneven": UNEVEN,
+    "tp2sp": TP2,
+    "ep2": EP2,
+    "dp2-distopt-overlap": DP2,
+    "pp2-vp2": VP2,
+}
 REPLAYS = {"off": (), "r2": R2, "r3": R3, "r3record": RECORD}
 
 

@@ -50,6 +50,10 @@ BENCHES = {
         module="megatron_rl.cli.bench.codecs",
         summary="routing-codec throughput against minimal numpy baselines",
     ),
+    "pipeline": Command(
+        module="megatron_rl.cli.bench.pipeline",
+        summary="the pipeline bubble: time per update at PP 2, plain 1F1B against VP 2",
+    ),
     "batching": Command(
         module="megatron_rl.cli.bench.batching",
         summary="padding waste and data-parallel imbalance: micro-batches against token budgets",
