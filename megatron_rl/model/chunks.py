@@ -8,8 +8,9 @@ and only chunk ``V - 1`` of the last rank has the output layer.
 
 `ModelChunks` holds them as one module, so that one megatron DDP (its grad buffers span every
 chunk), one optimizer, the offload and the checkpoints see one rank's parameters as before;
-megatron's interleaved schedule runs the chunks themselves (`as_chunks`). Without interleaving
-a rank's model is the `GPTModel` itself and `as_chunks` returns it alone.
+megatron's interleaved schedule runs the chunks themselves (`as_chunks`), and the torch_dist
+checkpoint asks each chunk for its sharded state (its keys are then any other layout's). Without
+interleaving a rank's model is the `GPTModel` itself and `as_chunks` returns it alone.
 """
 
 from __future__ import annotations
@@ -50,16 +51,6 @@ class ModelChunks(torch.nn.Module):
             "ModelChunks is not called: megatron's interleaved schedule runs each chunk "
             "(megatron_rl.train.pipeline); use as_chunks(model)"
         )
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        """Every chunk's megatron sharded state under ``chunks.{c}.`` (the tensors' checkpoint
-        keys carry global layer numbers, so a checkpoint reshards to any other layout)."""
-        state = {}
-        for c, chunk in enumerate(self.chunks):
-            state.update(
-                chunk.sharded_state_dict(f"{prefix}chunks.{c}.", sharded_offsets, metadata)
-            )
-        return state
 
 
 def as_chunks(model: torch.nn.Module) -> list[torch.nn.Module]:

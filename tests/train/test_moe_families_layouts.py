@@ -47,6 +47,9 @@ LAYOUTS = {  # name -> (model, torchrun ranks, layout flags)
     # TP 2 + SP: each micro-batch padded to a multiple of 2 positions (odd prompt lengths)
     "tiny-deepseek-tp2-sp": ("tiny-deepseek", 2, TP2_SP),
     "tiny-glm-tp2-sp": ("tiny-glm", 2, TP2_SP),
+    # interleaved, 1 layer per chunk: rank 0 holds dense layer 0 (a chunk without routers) and
+    # MoE layer 2, rank 1 dense layer 1 and MoE layer 3
+    "tiny-glm-pp2-vp2": ("tiny-glm", 2, (*PP2, "--virtual-pipeline-model-parallel-size", "2")),
 }
 CASES = [
     # the two layouts of a (model, replay) pair share one world-1 run: one worker runs both

@@ -12,6 +12,10 @@ A 4-layer tiny Qwen3-MoE is saved as an HF checkpoint; every run below starts fr
   at PP = 2) with exactly the saved numbers (weights and Adam moments, gathered to HF names
   whatever the layout); the resumed third step equals the other layout's uninterrupted run to
   float tolerance (the two layouts already differ by float noise).
+* Interleaved pipeline (PP = 2 x VP = 2, each rank holds two model chunks): ``torch_dist`` saved
+  there resumes at PP = 1 and plain PP = 2, and PP = 1's at PP 2 x VP 2, each with exactly the
+  saved numbers and the saving layout's uninterrupted third step; ``--ckpt-format torch`` at
+  PP 2 x VP 2 resumes bitwise like at PP = 2.
 
 Each worker wraps ``_Saver.save`` and ``Trainer.load_state_dict`` to record (rank 0) the
 layout-independent state that was saved or has just been loaded.
@@ -31,6 +35,10 @@ OVERRIDES = dict(
     rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=8, micro_batch_size=2
 )
 PP2 = dict(pipeline_model_parallel_size=2)
+# interleaved: rank 0 holds layers {0} and {2}, rank 1 {1} and {3}
+PP2_VP2 = dict(PP2, virtual_pipeline_model_parallel_size=2)
+# where the torch_dist reshard tests save or resume: (world size, overrides)
+LAYOUTS = {"pp1": (1, {}), "pp2": (2, PP2), "pp2_vp2": (2, PP2_VP2)}
 RTOL, ATOL = 1e-5, 1e-7  # metrics of two layouts (float noise of the stages' reductions)
 # Sequence log-weights are sums over a response of differences of float32 log-probs of magnitude
 # ~3 (one ulp: 2.4e-7), so two layouts' reduction orders move them by a few ulps of the log-probs,
@@ -154,6 +162,14 @@ class Runs:
     def pp2(self) -> dict:  # uninterrupted, 3 steps; torch checkpoints of steps 2 and 3
         return self("pp2", 2, train_iters=3, save=self.ckpt("pp2"), save_interval=2, **PP2)
 
+    def pp2_vp2(self) -> dict:  # uninterrupted, 3 steps; async torch_dist checkpoint of step 2
+        return self("pp2_vp2", 2, train_iters=3, save=self.ckpt("pp2_vp2"), save_interval=2,
+                    ckpt_format="torch_dist", async_save=True, **PP2_VP2)  # fmt: skip
+
+    def pp2_vp2_torch(self) -> dict:  # uninterrupted, 3 steps; torch checkpoints of steps 2, 3
+        return self("pp2_vp2_torch", 2, train_iters=3, save=self.ckpt("pp2_vp2_torch"),
+                    save_interval=2, **PP2_VP2)  # fmt: skip
+
 
 def _steps(path) -> dict[int, dict]:
     with open(path, encoding="utf-8") as handle:
@@ -230,11 +246,15 @@ def test_pp2_run_matches_pp1_step_by_step(runs):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torch_checkpoint_at_pp2_resumes_bitwise(runs):
-    straight = runs.pp2()
+@pytest.mark.parametrize("layout", ["pp2", "pp2_vp2"])
+def test_torch_checkpoint_at_pp2_resumes_bitwise(runs, layout):
+    """The per-rank format at the saving layout, plain or interleaved (each rank's chunks)."""
+    straight = runs.pp2() if layout == "pp2" else runs.pp2_vp2_torch()
+    saved_at, name = ("pp2" if layout == "pp2" else "pp2_vp2_torch"), f"{layout}_resumed_torch"
+    world, overrides = LAYOUTS[layout]
     resumed = runs(
-        "pp2_resumed_torch", 2, train_iters=3, load=os.path.join(runs.ckpt("pp2"), "step_00000002"),
-        save=runs.ckpt("pp2_resumed_torch"), **PP2,
+        name, world, train_iters=3, load=os.path.join(runs.ckpt(saved_at), "step_00000002"),
+        save=runs.ckpt(name), **overrides,
     )  # fmt: skip
     assert resumed["rl_state"] == straight["saved"][2]["rl_state"]
     assert resumed["rl_state"]["step"] == 2
@@ -247,9 +267,22 @@ def test_torch_checkpoint_at_pp2_resumes_bitwise(runs):
     for rank in range(2):  # and the per-rank files themselves
         for kind in ("model", "optim"):
             name = f"{kind}_rank{rank:05d}.pt"
-            a = torch.load(os.path.join(runs.ckpt("pp2"), "step_00000003", name))
-            b = torch.load(os.path.join(runs.ckpt("pp2_resumed_torch"), "step_00000003", name))
+            a = torch.load(os.path.join(runs.ckpt(saved_at), "step_00000003", name))
+            b = torch.load(
+                os.path.join(runs.ckpt(f"{layout}_resumed_torch"), "step_00000003", name)
+            )
             _assert_nested_equal(b, a, name)
+
+
+def test_torch_checkpoint_layout_names_the_virtual_pipeline_size():
+    """A ``torch`` checkpoint holds each rank's chunks: another VP size is a named error, and
+    one saved before the size was recorded counts as VP 1."""
+    from megatron_rl.train.checkpoint.ranks import layout_difference
+
+    now = {"world_size": 2, "pipeline_parallel": 2, "virtual_pipeline": 1}
+    assert layout_difference({"world_size": 2, "pipeline_parallel": 2}, now, "ckpt") is None
+    problem = layout_difference(dict(now, virtual_pipeline=2), now, "ckpt")
+    assert problem and "virtual_pipeline: saved 2, now 1" in problem
 
 
 def _assert_nested_equal(got, want, where: str) -> None:
@@ -303,5 +336,30 @@ def test_torch_dist_checkpoint_at_pp1_resumes_at_pp2(runs):
     assert resumed["rl_state"] == straight_pp1["saved"][2]["rl_state"]
     _assert_state_equal(resumed["loaded"], straight_pp1["saved"][2], "PP 1 -> PP 2")
     straight = runs.pp2()
+    _assert_metrics_close(resumed["steps"][3], straight["steps"][3], "resumed step 3")
+    _assert_weights_close(resumed["saved"][3]["weights"], straight["saved"][3]["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "saved_at, resumed_at", [("pp2_vp2", "pp1"), ("pp2_vp2", "pp2"), ("pp1", "pp2_vp2")]
+)
+def test_torch_dist_checkpoint_reshards_across_interleaved_pipeline(runs, saved_at, resumed_at):
+    """Saved with or without model chunks, resumed at the other: the loaded state is the saved
+    one exactly and the next step the saving layout's uninterrupted one (to float tolerance)."""
+    straight = {"pp1": runs.pp1, "pp2_vp2": runs.pp2_vp2}[saved_at]()
+    folder = Path(runs.ckpt(saved_at)) / "step_00000002"
+    meta = json.loads((folder / "checkpoint.json").read_text())
+    assert meta["format"] == "torch_dist"
+    assert meta["layout"]["virtual_pipeline"] == (2 if saved_at == "pp2_vp2" else 1)
+    world, overrides = LAYOUTS[resumed_at]
+    name = f"{saved_at}_dist_to_{resumed_at}"
+    resumed = runs(
+        name, world, train_iters=3, load=str(folder), save=runs.ckpt(name), **overrides
+    )  # fmt: skip
+    assert resumed["rl_state"] == straight["saved"][2]["rl_state"]
+    _assert_state_equal(resumed["loaded"], straight["saved"][2], f"{saved_at} -> {resumed_at}")
+    assert sorted(resumed["steps"]) == [3] and resumed["steps"][3]["grad_norm"] > 0
     _assert_metrics_close(resumed["steps"][3], straight["steps"][3], "resumed step 3")
     _assert_weights_close(resumed["saved"][3]["weights"], straight["saved"][3]["weights"])

@@ -17,12 +17,19 @@ _AXES = {
 }
 
 
+# layout entries a checkpoint saved before they were recorded was saved at
+_UNRECORDED = {"virtual_pipeline": 1}
+
+
 def layout() -> dict[str, int]:
-    """World size and megatron's parallel sizes (all 1 without megatron's groups)."""
+    """World size and megatron's parallel sizes (all 1 without megatron's groups), and the
+    virtual pipeline size (model chunks per pipeline rank; 1 without interleaving): a ``torch``
+    checkpoint's per-rank files hold a rank's chunks, so they load at the same one only."""
     ps = initialized_parallel_state()
     sizes = {"world_size": rank_and_world_size()[1]}
     for name, axis in _AXES.items():
         sizes[name] = getattr(ps, f"get_{axis}_world_size")() if ps else 1
+    sizes["virtual_pipeline"] = (ps and ps.get_virtual_pipeline_model_parallel_world_size()) or 1
     return sizes
 
 
@@ -38,7 +45,11 @@ def coords() -> dict[str, int]:
 def layout_difference(saved: dict, current: dict, folder: str) -> str | None:
     """Why ``folder``, saved at layout (or coordinates) ``saved``, does not match ``current``;
     None when they are the same."""
-    diffs = [f"{k}: saved {saved.get(k)}, now {v}" for k, v in current.items() if saved.get(k) != v]
+    diffs = [
+        f"{k}: saved {saved.get(k, _UNRECORDED.get(k))}, now {v}"
+        for k, v in current.items()
+        if saved.get(k, _UNRECORDED.get(k)) != v
+    ]
     if not diffs:
         return None
     return (

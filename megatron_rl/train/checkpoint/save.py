@@ -20,12 +20,13 @@ Two formats (``fmt`` / ``--ckpt-format``; loading reads ``format`` in ``checkpoi
 a folder without it is ``torch``):
 
 * ``torch`` (default): the per-rank files above. Resumed with the same world size and parallel
-  layout only (a different one is a named error).
+  layout only, virtual pipeline size included (a different one is a named error).
 * ``torch_dist``: model and optimizer through megatron's ``dist_checkpointing``
   (`torch_dist`: ``*.distcp``, ``.metadata``, ``common.pt``, ``metadata.json``), plus
-  ``rl_state.json`` and ``rng_rank*.pt``. Resumed at any TP/EP/PP/DP layout (PP 2 <-> PP 1
-  tested). The same staging folder, sha256 records (every rank hashes and verifies a share of
-  the files), rename and ``latest`` make it atomic.
+  ``rl_state.json`` and ``rng_rank*.pt``. Resumed at any TP/EP/PP/DP layout, interleaved or not
+  (PP 2 <-> PP 1 and PP 2 x VP 2 <-> PP 1 / PP 2 tested). The same staging folder, sha256
+  records (every rank hashes and verifies a share of the files), rename and ``latest`` make it
+  atomic.
 
 Async save (``torch_dist`` only; ``--async-save``): `start_async_save` snapshots the state and
 returns while megatron's writer processes write it into the staging folder (see `async_write`

@@ -22,6 +22,10 @@ What was measured on megatron-core 0.16.1 (CPU, gloo, tiny Qwen3-MoE, world size
   its own sharded state (keys then name the parameter only), and the non-tensor state (parameter
   groups' hyper-parameters, the Adam step, a grad scaler) is stored once, keyed by megatron's
   parameter-group identifiers, and handed back to every inner optimizer at load.
+* Under interleaved pipeline parallelism a rank's model is a `ModelChunks`; each chunk's sharded
+  state is asked for on its own (`_model_sharded_state`), so its tensors keep the keys every other
+  layout gives them (global layer numbers, no ``chunks.{c}.`` prefix) and the checkpoint reshards
+  between PP x VP, plain PP and PP 1 (tests/train/test_pipeline_checkpoint.py).
 * The ``torch_dist`` strategy modules are imported lazily by megatron, after the CPU backend
   redirected megatron's ``torch``; they call ``torch.cuda.synchronize()`` and allocate on
   ``device='cuda'``. `_megatron_dist_checkpointing` imports them and re-applies the CPU backend
@@ -43,6 +47,7 @@ import logging
 
 import torch
 
+from megatron_rl.model.chunks import as_chunks
 from megatron_rl.parent_death import forks_die_with_parent
 from megatron_rl.train.checkpoint.async_write import BackgroundWrite, results_queue_dies_with_us
 from megatron_rl.train.checkpoint.optimizer_state import (
@@ -101,9 +106,24 @@ def _calls(optimizer):
     return shim() if shim is not None else contextlib.nullcontext()
 
 
-def _module(model):
-    """The megatron model under DDP (``sharded_state_dict`` lives there)."""
-    return getattr(model, "module", model)
+def _model_sharded_state(model) -> dict[str, dict]:
+    """Each model chunk's megatron sharded state dict, by its `ModelChunks` prefix (``""``
+    without interleaving).
+
+    Every chunk is asked on its own, without a prefix: the checkpoint keys of its tensors are then
+    those of any other layout (layers under their global numbers, ``embedding.*`` and
+    ``output_layer.*`` plain), so a checkpoint saved at PP 2 x VP 2 loads at PP 1 or plain PP 2
+    and back. `ModelChunks.sharded_state_dict` would key them ``chunks.{c}.*``, which no other
+    layout has. The optimizer's state follows: megatron keys each parameter's state by the
+    sharded tensor whose ``data`` is that parameter, found in this dict whatever its nesting.
+    """
+    chunks = as_chunks(model)
+    if len(chunks) == 1:
+        return {"": chunks[0].sharded_state_dict(metadata=SHARDING_METADATA)}
+    return {
+        f"chunks.{c}.": chunk.sharded_state_dict(metadata=SHARDING_METADATA)
+        for c, chunk in enumerate(chunks)
+    }
 
 
 def _is_sharded(value) -> bool:
@@ -147,15 +167,15 @@ def _non_tensor_state(inner_state: dict) -> dict:
     return common
 
 
-def _sharded_state(model, optimizer, is_loading: bool) -> tuple[dict, dict, list[dict]]:
-    """(model's sharded state dict, each inner optimizer's, a flat dict of all their ShardedBase
-    leaves for megatron's save/load).
+def _sharded_state(model, optimizer, is_loading: bool) -> tuple[dict, list[dict], dict]:
+    """(each model chunk's sharded state dict (`_model_sharded_state`), each inner optimizer's,
+    a flat dict of all their ShardedBase leaves for megatron's save/load).
 
     The flat dict has no lists and no non-tensor values: megatron merges the saved common state
     into the loaded one, and a list (or a number of optimizers) that differs between layouts
     would not merge.
     """
-    model_state = _module(model).sharded_state_dict(metadata=SHARDING_METADATA)
+    model_state = _model_sharded_state(model)
     inner_states = []
     with _calls(optimizer):
         for inner in inner_optimizers(optimizer):
@@ -224,7 +244,8 @@ def load_sharded(folder: str, model, optimizer) -> None:
     for i, (container, key) in enumerate(leaves):
         container[key] = loaded["tensors"][str(i)]
     common = loaded[_COMMON_KEY]
-    _module(model).load_state_dict(model_state, strict=True)
+    for chunk, state in zip(as_chunks(model), model_state.values(), strict=True):
+        chunk.load_state_dict(state, strict=True)
     with _calls(optimizer), torch.no_grad():
         for inner, state in zip(inner_optimizers(optimizer), inner_states, strict=True):
             _unwrap_local(state)
