@@ -1,4 +1,5 @@
-"""DeepSeek-V3 and GLM-4.5 train the world-1 model at PP 2 and at TP 2 + SP, with R2 and R3.
+"""DeepSeek-V3 and GLM-4.5 train the world-1 model at PP 2 and at TP 2 + SP, with R2 and R3;
+GLM-4.5 and Qwen3-MoE at PP 2 x VP 2 (interleaved) too.
 
 The real CLI from the seeded initial weights (`init_from_seed`) of the tiny presets: world 1,
 then under torchrun ``tiny-deepseek`` (multi-latent attention) and ``tiny-glm`` (partial-rotary
@@ -39,6 +40,7 @@ TP2_SP = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
 # mask, megatron_rl/model/router_padding.py). Without it expert_bias moved otherwise than at world
 # 1 and, under R3, the engine routed step 2 otherwise (TP 2 + SP x EP 2: step-2 grad norm 1.23832
 # against 1.23782).
+QWEN3_4 = "tiny-qwen3-4-layers"  # written by `_model_arg` (no preset has 4 Qwen3 layers)
 LAYOUTS = {  # name -> (model, torchrun ranks, layout flags)
     # 3 layers (1 dense, 2 MoE): stage 1 holds the dense and one MoE layer
     "tiny-deepseek": ("tiny-deepseek", 2, (*PP2, "--decoder-first-pipeline-num-layers", "2")),
@@ -50,6 +52,8 @@ LAYOUTS = {  # name -> (model, torchrun ranks, layout flags)
     # interleaved, 1 layer per chunk: rank 0 holds dense layer 0 (a chunk without routers) and
     # MoE layer 2, rank 1 dense layer 1 and MoE layer 3
     "tiny-glm-pp2-vp2": ("tiny-glm", 2, (*PP2, "--virtual-pipeline-model-parallel-size", "2")),
+    # Qwen3-MoE interleaved: a random 4-layer tiny checkpoint (the CLI tests'), 1 layer per chunk
+    "qwen3-pp2-vp2": (QWEN3_4, 2, (*PP2, "--virtual-pipeline-model-parallel-size", "2")),
 }
 CASES = [
     # the two layouts of a (model, replay) pair share one world-1 run: one worker runs both
@@ -58,6 +62,18 @@ CASES = [
     for replay in ("r2", "r3")
 ]
 _WORLD1: dict[tuple[str, str], dict] = {}  # (model, replay) -> `_train`'s result at world 1
+
+
+def _model_arg(model: str, tmp_path_factory) -> str:
+    """``--model`` of ``model``: a preset name, or for `QWEN3_4` a folder of seeded weights."""
+    if model != QWEN3_4:
+        return model
+    from real_sglang.servers import write_tiny_checkpoint
+
+    folder = tmp_path_factory.getbasetemp() / QWEN3_4
+    if not (folder / "model.safetensors").exists():
+        write_tiny_checkpoint(folder, num_hidden_layers=4)
+    return str(folder)
 
 
 def _train(tmp: Path, name: str, model: str, nproc: int, flags: tuple[str, ...]) -> dict:
@@ -80,7 +96,7 @@ def _train(tmp: Path, name: str, model: str, nproc: int, flags: tuple[str, ...])
     return {"rows": rows, "tensors": checkpoint_tensors(save / "step_00000002", tmp / name)}
 
 
-def _assert_same_run(staged: dict, world1: dict) -> None:
+def _assert_same_run(staged: dict, world1: dict, *, expert_bias: bool = True) -> None:
     assert [r["step"] for r in staged["rows"]] == [r["step"] for r in world1["rows"]] == [1, 2]
     for got, want in zip(staged["rows"], world1["rows"], strict=True):
         assert want["grad_norm"] > 0
@@ -93,8 +109,9 @@ def _assert_same_run(staged: dict, world1: dict) -> None:
     weights = [k for k in want_tensors if not k.startswith("optimizer.")]
     assert any("experts" in k for k in weights)
     biases = [k for k in weights if k.endswith("expert_bias")]
-    # the aux-loss-free update moved the score-correction bias (from 0) during the run
-    assert biases and all(want_tensors[k].abs().max() > 0 for k in biases)
+    # the aux-loss-free update moved the score-correction bias (from 0) during the run (DeepSeek-V3
+    # and GLM-4.5; Qwen3-MoE has none)
+    assert bool(biases) == expert_bias and all(want_tensors[k].abs().max() > 0 for k in biases)
     for key in weights:
         # Adam moves a weight by ~LR whatever its gradient's size, so where a gradient is as
         # small as the layouts' rounding differences (grad norms agree to 1e-5) one step can
@@ -108,11 +125,14 @@ def _assert_same_run(staged: dict, world1: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize(("layout", "replay"), CASES)
-def test_moe_family_layout_trains_the_world1_model_with_replay(tmp_path, layout, replay):
+def test_moe_family_layout_trains_the_world1_model_with_replay(
+    tmp_path, tmp_path_factory, layout, replay
+):
     model, nproc, flags = LAYOUTS[layout]
+    model = _model_arg(model, tmp_path_factory)
     replay_flags = ("--routing-replay", replay)
     if (model, replay) not in _WORLD1:
         _WORLD1[model, replay] = _train(tmp_path, "world1", model, 1, replay_flags)
     world1 = _WORLD1[model, replay]
     staged = _train(tmp_path, "layout", model, nproc, (*flags, *replay_flags))
-    _assert_same_run(staged, world1)
+    _assert_same_run(staged, world1, expert_bias=LAYOUTS[layout][0] != QWEN3_4)
