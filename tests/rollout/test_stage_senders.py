@@ -61,16 +61,20 @@ def four_layers(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("stages") / "hf", num_hidden_layers=4)
 
 
-@pytest.mark.parametrize("senders", ["per-stage", "rank-0"])
+@pytest.mark.parametrize("senders", ["per-stage", "rank-0", "per-stage-vp2"])
 def test_each_stage_broadcasts_its_own_tensors_once_per_sync(four_layers, tmp_path, senders):
     """Two servers, two stages: every tensor of the checkpoint arrives once per sync on each
     server, stage 1's layers over stage 1's own group (not through rank 0; with
     ``--weight-sync-from-rank-0`` everything over rank 0's), and the servers' log-probs are the
-    trainer's (fp32 both: a tensor lost or crossed would show)."""
+    trainer's (fp32 both: a tensor lost or crossed would show). Interleaved (PP 2 x VP 2), each
+    stage sends both its chunks: stage 0 layers 0 and 2, stage 1 layers 1 and 3."""
     servers = two_servers(four_layers)
     loads = [recording(s) for s in servers]
+    interleaved = senders == "per-stage-vp2"
     try:
         flags = ["--weight-sync-from-rank-0"] if senders == "rank-0" else []
+        if interleaved:
+            flags = ["--virtual-pipeline-model-parallel-size", "2"]
         rows = train_pp2(four_layers, tmp_path, servers, *flags)
         versions = [s.engine.weight_version for s in servers]
     finally:
@@ -89,12 +93,13 @@ def test_each_stage_broadcasts_its_own_tensors_once_per_sync(four_layers, tmp_pa
         if senders == "rank-0":
             assert by_stage == {0: every, 1: set()}
             continue
-        assert {n.split(".")[2] for n in by_stage[1] if ".layers." in n} == {"2", "3"}
-        assert {n.split(".")[2] for n in by_stage[0] if ".layers." in n} == {"0", "1"}
+        stage_layers = ({"0", "2"}, {"1", "3"}) if interleaved else ({"0", "1"}, {"2", "3"})
+        assert {n.split(".")[2] for n in by_stage[1] if ".layers." in n} == stage_layers[1]
+        assert {n.split(".")[2] for n in by_stage[0] if ".layers." in n} == stage_layers[0]
         assert "lm_head.weight" in by_stage[1] and "model.embed_tokens.weight" in by_stage[0]
     assert rows[-1]["mismatch/train_rollout_logprob_abs_gap"] < 1e-4
     stage_mb = [rows[-1].get(f"weight_sync/stage_mb/{s}", 0.0) for s in (0, 1)]
-    assert stage_mb[1] > 0 if senders == "per-stage" else stage_mb[1] == 0, stage_mb
+    assert stage_mb[1] > 0 if senders != "rank-0" else stage_mb[1] == 0, stage_mb
 
 
 def test_a_server_dying_in_a_later_stage_leaves_and_the_sync_goes_on(four_layers, tmp_path):
