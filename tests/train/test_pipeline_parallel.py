@@ -18,8 +18,9 @@ from qwen3_moe_testing import spawn_ranks
 OVERRIDES = dict(rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=8)
 
 
-def _prepare_worker(rank, world_size, init_method, tmp_dir) -> None:
-    """The shared starting point: a 4-layer HF checkpoint and one rollout of it with routes."""
+def _prepare_worker(rank, world_size, init_method, tmp_dir, layers=4) -> None:
+    """The shared starting point: a ``layers``-layer HF checkpoint and one rollout of it with
+    routes."""
     from pathlib import Path
 
     from pipeline_testing import write_four_layer_checkpoint
@@ -28,7 +29,7 @@ def _prepare_worker(rank, world_size, init_method, tmp_dir) -> None:
     from megatron_rl.train.trainer import Trainer
 
     tmp = Path(tmp_dir)
-    write_four_layer_checkpoint(tmp, init_method)
+    write_four_layer_checkpoint(tmp, init_method, layers)
     rollout = small_config(tmp / "rollout", model=str(tmp / "hf"), routing_replay="r3", **OVERRIDES)
     trainer = Trainer(rollout, rank=0, world_size=1, init_method=f"{init_method}_rollout")
     try:
@@ -109,6 +110,13 @@ def shared(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def shared_eight_layers(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipeline_shared_8")
+    spawn_ranks(_prepare_worker, folder, 1, 8)
+    return folder
+
+
 def _result(tmp_path, shared, name: str, layout: dict, world: int) -> dict:
     folder = tmp_path / name
     folder.mkdir()
@@ -138,6 +146,25 @@ def test_pipeline_stages_train_exactly_like_one_stage(tmp_path, shared, name):
     atol = 2e-6 if world == 2 else 1e-5
     for hf_name, tensor in one["weights"].items():
         torch.testing.assert_close(staged["weights"][hf_name], tensor, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_four_stages_of_two_chunks_train_exactly_like_one_stage(tmp_path, shared_eight_layers):
+    """PP 4 x VP 2 (4 gloo ranks on this 2-core machine) of an 8-layer model with R3 replay:
+    rank r holds layers r and r + 4; 4 micro-batches per update, one group of PP."""
+    common = {"routing_replay": "r3"}
+    parallel = {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2}
+    one = _result(tmp_path, shared_eight_layers, "pp1", common, 1)
+    staged = _result(tmp_path, shared_eight_layers, "pp4_vp2", {**common, **parallel}, 4)
+    timings = {k for k in one["metrics"] if k.startswith(("time/", "batch/"))}
+    assert set(staged["metrics"]) - timings == set(one["metrics"]) - timings
+    for key in sorted(set(one["metrics"]) - timings):
+        want = one["metrics"][key]
+        assert staged["metrics"][key] == pytest.approx(want, rel=1e-5, abs=5e-7), key
+    assert set(staged["weights"]) == set(one["weights"])
+    for hf_name, tensor in one["weights"].items():
+        torch.testing.assert_close(staged["weights"][hf_name], tensor, rtol=1e-5, atol=2e-6)
 
 
 def test_uneven_stage_sizes_are_checked_before_anything_is_built():
