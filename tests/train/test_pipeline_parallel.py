@@ -95,6 +95,18 @@ LAYOUTS = {
         {"pipeline_model_parallel_size": 2, "num_layers_per_virtual_pipeline_stage": 1},
         2,
     ),
+    # 4 ranks: PP 2 x VP 2 x DP 2, gradients reduced in buckets during the last backwards (one
+    # DDP over both chunks: a bucket starts once the last micro-batch of each of its chunks ran)
+    "pp2_vp2_dp2_overlap": (
+        {},
+        {
+            "pipeline_model_parallel_size": 2,
+            "virtual_pipeline_model_parallel_size": 2,
+            "use_distributed_optimizer": True,
+            "overlap_grad_reduce": True,
+        },
+        4,
+    ),
     "pp2_vp2_r3": (
         {"routing_replay": "r3"},
         {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
