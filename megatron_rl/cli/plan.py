@@ -6,10 +6,19 @@
         --micro-batch-tokens 18432 --routing-replay r2 --routing-responses 512 \
         --routing-response-tokens 18432 --reference gpu --gpu-gib 80 [--json]
 
-    # the Qwen3-235B-A22B launcher's training half: TP4+SP, PP4 (stages 23/24/24/23, the
+    # Qwen3-235B-A22B on 32 GPUs with plain 1F1B: TP4+SP, PP4 (stages 23/24/24/23, the
     # trainer's flags), EP8, DP2, all of the Adam state in host memory
     megatron-rl plan --model qwen3-235b-a22b --tp 4 --pp 4 --ep 8 --world-size 32 \
         --decoder-first-pipeline-num-layers 23 --decoder-last-pipeline-num-layers 23 \
+        --optimizer-offload-fraction 1 --micro-batch-tokens 18432 --reference gpu
+
+    # the same with megatron's interleaved 1F1B, as its launcher runs it: 2 model chunks per
+    # pipeline rank (stages 24/24/24/22 split 12+12 / ... / 11+11), 32 micro-batches per update
+    # on each data-parallel rank; the plan adds the warm-up's extra micro-batches in flight and
+    # prints the bubble, (PP-1)/(V M) = 3/64 against 1F1B's 3/32
+    megatron-rl plan --model qwen3-235b-a22b --tp 4 --pp 4 --ep 8 --world-size 32 \
+        --decoder-first-pipeline-num-layers 24 --decoder-last-pipeline-num-layers 22 \
+        --virtual-pipeline-model-parallel-size 2 --micro-batches 32 \
         --optimizer-offload-fraction 1 --micro-batch-tokens 18432 --reference gpu
 
     # the colocated launcher (run_qwen3_30b_a3b_colocated.sh): the trainer and one TP-8 SGLang
@@ -38,15 +47,18 @@ Parameters, gradient buffers, optimizer state, routing state and the reference m
 exactly; activations, the attention core, logits, log-prob tiles, the optimizer step's temporaries
 and the reserve are estimates (see `megatron_rl.memory_plan`). The peak is the static terms plus
 the largest phase of the step (printed with the others); with pipeline parallelism the fullest
-stage decides the verdict.
+stage decides the verdict, and the plan prints the schedule's bubble ((PP-1)/M of the ideal time
+with 1F1B, (PP-1)/(V M) interleaved; `megatron_rl.memory_plan.schedule`) when it knows M.
 
-With `--`, the layout, precision, recompute, micro-batch (``--micro-batch-size`` x the prompt and
-response lengths), routing replay (its codec, and every sample of a rollout recorded), the KL
-reference (on the GPU during its pass when ``--kl-coef`` > 0), the optimizer offload and the
-colocated view (``--colocate``, its servers' ``--sglang-engine-ranks``) all come from the
-trainer's flags, so a launcher and its plan cannot disagree; giving one of those as this tool's
-own flag as well is an error. The GPU's size, the reserve and the other estimates stay this
-tool's flags (the trainer's command is read by megatron_rl/cli/plan_command.py; the tables are
+With `--`, the layout (the virtual pipeline included), precision, recompute, micro-batch
+(``--micro-batch-size`` x the prompt and response lengths) and micro-batches per update
+(``--global-batch-size`` / (data parallel x ``--micro-batch-size``)), routing replay (its codec,
+and every sample of a rollout recorded), the KL reference (on the GPU during its pass when
+``--kl-coef`` > 0), the optimizer offload and the colocated view (``--colocate``, its servers'
+``--sglang-engine-ranks``) all come from the trainer's flags, so a launcher and its plan cannot
+disagree; giving one of those as this tool's own flag as well is an error. The GPU's size, the
+reserve and the other estimates stay this tool's flags (the trainer's command is read by
+megatron_rl/cli/plan_command.py; the tables are
 megatron_rl/cli/plan_tables.py). ``python tools/memory_plan.py`` is the same command.
 """
 
@@ -75,7 +87,7 @@ from megatron_rl.memory_plan import (
     plan_memory,
 )
 from megatron_rl.memory_plan.colocate import ColocatedPlan, ServerOptions, plan_colocated
-from megatron_rl.model.stages import megatron_stage_layers
+from megatron_rl.model.stages import megatron_stage_layers, virtual_stage_size
 from megatron_rl.parallel import ParallelConfig
 from megatron_rl.routing.codec import CODECS
 
@@ -155,6 +167,26 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"layers of the {stage} pipeline stage, as the trainer's (megatron's) flag; the "
             "stages in between share the rest evenly",
         )
+    parser.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        help="model chunks per pipeline rank (megatron's interleaved 1F1B), as the trainer's "
+        "flag: each stage's layers split evenly over them; more micro-batches in flight, a "
+        "bubble of (PP-1)/(V M) instead of (PP-1)/M",
+    )
+    parser.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        help="layers per model chunk (Megatron-LM's flag, as the trainer's): the virtual "
+        "pipeline size is num_layers / PP / this",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        help="micro-batches per optimizer step on a data-parallel rank (the pipeline schedule's "
+        "M: the bubble and the micro-batches in flight; from a trainer command: --global-batch-"
+        "size / (data parallel x --micro-batch-size); default: not known)",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPE_ALIASES), default="bf16")
     parser.add_argument(
         "--distributed-optimizer", action=argparse.BooleanOptionalAction, default=True
@@ -250,6 +282,13 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
                 "give --pipeline-layers or --decoder-first/last-pipeline-num-layers, not both"
             )
         pipeline_layers = megatron_stage_layers(config.num_hidden_layers, args.pp, *uneven)
+    virtual = virtual_stage_size(
+        config.num_hidden_layers,
+        args.pp,
+        args.virtual_pipeline_model_parallel_size,
+        args.num_layers_per_virtual_pipeline_stage,
+        uneven=uneven != (None, None) or pipeline_layers is not None,
+    )
     parallel = ParallelConfig(
         tensor_parallel=args.tp,
         pipeline_parallel=args.pp,
@@ -259,10 +298,13 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         sequence_parallel=args.sp,
     )
     if args.world_size is not None:
-        layout = Layout.from_world_size(parallel, args.world_size, pipeline_layers)
+        layout = Layout.from_world_size(parallel, args.world_size, pipeline_layers, virtual or 1)
     else:
         layout = Layout(
-            parallel=parallel, data_parallel=args.dp or 1, pipeline_layers=pipeline_layers
+            parallel=parallel,
+            data_parallel=args.dp or 1,
+            pipeline_layers=pipeline_layers,
+            virtual_pipeline=virtual or 1,
         )
     options = PlanOptions(
         params_dtype=DTYPE_ALIASES[args.dtype],
@@ -281,6 +323,7 @@ def build_plan(args: argparse.Namespace) -> MemoryPlan:
         optimizer_offload_fraction=args.optimizer_offload_fraction,
         spec=args.spec,
         micro_batch_sequences=args.micro_batch_sequences,
+        micro_batches=args.micro_batches,
         grad_check_chunk_elements=args.grad_check_chunk_elements or None,
         sync_staging_buffers=args.sync_staging_buffers,
         sync_senders=args.sync_senders,

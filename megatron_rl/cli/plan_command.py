@@ -14,7 +14,8 @@ from pathlib import Path
 # this tool's flags that the trainer's command line decides (with `--`)
 FROM_TRAINER = (
     "tp", "pp", "ep", "etp", "cp", "sp", "pipeline_layers", "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers", "dtype", "distributed_optimizer",
+    "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "micro_batches", "dtype", "distributed_optimizer",
     "optimizer_offload_fraction", "recompute", "micro_batch_tokens", "micro_batch_sequences",
     "routing_replay", "routing_codec", "routing_tokens", "routing_responses",
     "routing_response_tokens", "reference", "spec", "colocated", "server_tp",
@@ -56,6 +57,9 @@ def apply_trainer_command(
         "pipeline_layers": None,
         "decoder_first_pipeline_num_layers": config.model.first_stage_layers,
         "decoder_last_pipeline_num_layers": config.model.last_stage_layers,
+        "virtual_pipeline_model_parallel_size": config.model.virtual_stages,
+        "num_layers_per_virtual_pipeline_stage": config.model.layers_per_virtual_stage,
+        "micro_batches": _micro_batches(config, args, world_size),
         "dtype": config.model.dtype,
         "distributed_optimizer": config.optimizer.use_distributed_optimizer,
         "optimizer_offload_fraction": (
@@ -83,6 +87,19 @@ def apply_trainer_command(
     if world_size is not None:
         values.update(world_size=world_size, dp=None, gpus_per_node=gpus_per_node)
     return argparse.Namespace(**{**vars(args), **values})
+
+
+def _micro_batches(config, args: argparse.Namespace, world_size: int | None) -> int | None:
+    """Micro-batches per optimizer step on a data-parallel rank: ``--global-batch-size`` /
+    (data parallel x ``--micro-batch-size``), the data-parallel size from torchrun's world size,
+    else this tool's ``--world-size`` / ``--dp`` (1 without either); None under a token budget
+    (``--max-tokens-per-gpu``: the count varies with the samples' lengths)."""
+    schedule = config.schedule
+    if schedule.token_budget:
+        return None
+    world = world_size if world_size is not None else args.world_size
+    dp = config.data_parallel_size(world) if world is not None else (args.dp or 1)
+    return schedule.global_batch_size // (dp * schedule.micro_batch_size)
 
 
 def _sync_staging(engine) -> dict:

@@ -18,7 +18,8 @@ def render(plan: MemoryPlan, model: str, console: Console) -> None:
     console.print(
         f"[bold]{model}[/bold]: {shape.total_params() / 1e9:.2f}B params, "
         f"{shape.total_params(active=True) / 1e9:.2f}B active; {layout.world_size} GPUs = "
-        f"TP{p.tensor_parallel}{'+SP' if p.sequence_parallel else ''} PP{p.pipeline_parallel} "
+        f"TP{p.tensor_parallel}{'+SP' if p.sequence_parallel else ''} PP{p.pipeline_parallel}"
+        f"{f'xVP{layout.virtual_pipeline}' if layout.virtual_pipeline > 1 else ''} "
         f"CP{p.context_parallel} DP{layout.data_parallel}; experts EP{p.expert_parallel} "
         f"ETP{p.expert_tensor_parallel} EDP{layout.expert_data_parallel}; "
         f"{plan.options.params_dtype}, recompute {plan.options.recompute}, "
@@ -26,19 +27,24 @@ def render(plan: MemoryPlan, model: str, console: Console) -> None:
     )
     if len(plan.stages) > 1:
         stages = Table(title="pipeline stages")
-        for column in ("stage", "layers", "MoE layers", "dense params", "expert params", "GiB"):
+        columns = ("stage", "layers", "MoE layers", "dense params", "expert params")
+        for column in (*columns, "in flight", "GiB"):
             stages.add_column(column, justify="right")
+        chunks = layout.chunk_layers(shape.num_layers)
         for stage in plan.stages:
             sp = stage.params
+            layers = "+".join(str(count) for _, count in chunks[sp.stage])
             stages.add_row(
                 str(sp.stage),
-                str(sp.layers),
+                layers if len(chunks[sp.stage]) > 1 else str(sp.layers),
                 str(sp.moe_layers),
                 f"{sp.dense:,}",
                 f"{sp.expert:,}",
+                str(stage.stored.in_flight),
                 f"{stage.gpu_bytes / GIB:.2f}",
             )
         console.print(stages)
+        console.print(escape(pipeline_line(plan)))
     phase = peak.peak_phase
     table = Table(title=f"per GPU of pipeline stage {peak.params.stage} (the fullest)")
     table.add_column("term")
@@ -65,6 +71,32 @@ def render(plan: MemoryPlan, model: str, console: Console) -> None:
         f"[bold]{verdict}[/bold] in {plan.gpu_gib:g} GiB: {total:.2f} GiB needed at "
         f"{phase.name} (stage {peak.params.stage}), {plan.gpu_gib - total:+.2f} GiB headroom"
     )
+
+
+def pipeline_line(plan: MemoryPlan) -> str:
+    """The pipeline schedule (`MemoryPlan.pipeline`) in words: warm-up, in flight, bubble."""
+    pipe = plan.pipeline
+    pp, v, m = pipe.pipeline_parallel, pipe.virtual_pipeline, pipe.micro_batches
+    warmup = "/".join(map(str, pipe.warmup))
+    in_flight = "/".join(map(str, pipe.in_flight))
+    what = "(chunk, micro-batch) pairs" if v > 1 else "micro-batches"
+    text = f"pipeline: {pipe.schedule}, PP{pp}" + (f" x VP{v}" if v > 1 else "")
+    if m is None:
+        text += ", micro-batches per update not known (--micro-batches)"
+    else:
+        text += f", {m} micro-batches per update" + (
+            f" in groups of {pipe.group_size}" if v > 1 else ""
+        )
+    text += f"; warm-up forwards per stage {warmup}, at most {in_flight} {what} in flight"
+    if pipe.bubble is not None:
+        formula = f"(PP-1)/(V M) = {pp - 1}/{v * m}" if v > 1 else f"(PP-1)/M = {pp - 1}/{m}"
+        text += (
+            f"; bubble {formula} = {pipe.bubble:.1%} of the ideal time "
+            f"({pipe.bubble_share:.1%} of the step)"
+        )
+        if v > 1:
+            text += f", 1F1B's (PP-1)/M {pipe.bubble_1f1b:.1%}"
+    return text
 
 
 def add_term(table: Table, term) -> None:

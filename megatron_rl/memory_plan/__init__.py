@@ -44,9 +44,13 @@ transformers (`load_model_config` imports transformers to build a config by name
 Modules: `shape` (the model), `layout` (parallel sizes), `options` (training choices), `terms`
 (`Term`, `Phase`), `params` (weights and grad buffers, exact), `static` (the terms live for the
 whole step), `activations` (per-layer, attention core, stored activations: estimates), `phases`
-(the step's phases), `plan` (`plan_memory`, the peak and the verdict), `colocate`
+(the step's phases), `schedule` (the pipeline schedule: megatron's warm-up, the (chunk,
+micro-batch) pairs in flight under 1F1B or interleaved 1F1B, the bubble), `plan` (`plan_memory`,
+the peak and the verdict, `PipelineSchedule`), `colocate`
 (`plan_colocated`: SGLang servers on the trainer's GPUs, the KV budget, mem-fraction-static).
-The pipeline layer split is `megatron_rl.model.stages.megatron_stage_layers`.
+The pipeline layer split is `megatron_rl.model.stages.megatron_stage_layers`, and with a virtual
+pipeline (``Layout.virtual_pipeline``, megatron's interleaved schedule) each rank's chunks are
+`megatron_rl.model.stages.virtual_chunk_layers`.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from megatron_rl.memory_plan.activations import (
     StoredActivations,
     attention_bytes,
     layer_activation_bytes,
+    logits_bytes,
     stored_activations,
 )
 from megatron_rl.memory_plan.colocate import (
@@ -100,8 +105,17 @@ from megatron_rl.memory_plan.phases import (
 )
 from megatron_rl.memory_plan.plan import (
     MemoryPlan,
+    PipelineSchedule,
     StagePlan,
     plan_memory,
+)
+from megatron_rl.memory_plan.schedule import (
+    RankSchedule,
+    bubble_fraction,
+    bubble_share,
+    group_size,
+    rank_schedule,
+    warmup_micro_batches,
 )
 from megatron_rl.memory_plan.shape import (
     ModelShape,
@@ -142,23 +156,31 @@ __all__ = [
     "ModelShape",
     "ParamTensor",
     "Phase",
+    "PipelineSchedule",
     "PlanOptions",
+    "RankSchedule",
     "ServerOptions",
     "StageParams",
     "StagePlan",
     "StoredActivations",
     "Term",
     "attention_bytes",
+    "bubble_fraction",
+    "bubble_share",
     "grad_buffers",
+    "group_size",
     "kv_bytes_per_token",
     "layer_activation_bytes",
     "load_model_config",
+    "logits_bytes",
     "megatron_buffer",
     "optimizer_state_bytes",
     "plan_colocated",
     "plan_memory",
+    "rank_schedule",
     "stage_params",
     "stage_phases",
     "stage_tensors",
     "stored_activations",
+    "warmup_micro_batches",
 ]

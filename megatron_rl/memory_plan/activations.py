@@ -10,6 +10,7 @@ import math
 from megatron_rl.memory_plan.layout import Layout, ceil_div
 from megatron_rl.memory_plan.options import PlanOptions
 from megatron_rl.memory_plan.params import StageParams
+from megatron_rl.memory_plan.schedule import rank_schedule
 from megatron_rl.memory_plan.shape import ModelShape
 
 # The local spec's unfused attention on an H200 (tools/gpu_smoke.py, Qwen3-30B-A3B-shaped 2-layer
@@ -186,47 +187,164 @@ def attention_bytes(shape: ModelShape, layout: Layout, options: PlanOptions) -> 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoredActivations:
-    """Stored activations of the micro-batches in flight on a GPU (see `stored_activations`)."""
+    """Stored activations of the micro-batches in flight on a GPU (see `stored_activations`):
+    each phase's bytes at that phase's fullest step of the pipeline schedule, and the logits
+    other in-flight micro-batches keep then (last pipeline rank with interleaving only)."""
 
     end: int  # at the end of the newest micro-batch's forward
-    attention: int  # when the newest micro-batch is in its last layer's attention core
+    attention: int  # the newest (or the backward's) micro-batch in its last layer's attention
     recomputed: int  # full recompute: ``end`` + the whole activations of one recomputed layer
     note: str
+    logprobs: int = 0  # last rank: when a micro-batch's log-probs backward starts
+    # logits kept by the other in-flight micro-batches of the last chunk (last rank), per phase
+    end_logits: int = 0
+    attention_logits: int = 0
+    recomputed_logits: int = 0
+    logprobs_logits: int = 0
+    in_flight: int = 1  # the most (chunk, micro-batch) pairs held at once
+    warmup: int = 0  # megatron's num_warmup_microbatches of this rank
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Chunk:
+    """One model chunk's activations per in-flight micro-batch: ``stored`` while it waits for its
+    backward; ``attention`` instead when it is the micro-batch in its last layer's attention core
+    (forward or backward); ``recomputing`` instead while its backward recomputes a layer (full
+    recompute); ``logits``: it keeps its logits (the last chunk of the last rank)."""
+
+    layers: int
+    stored: int
+    attention: int
+    recomputing: int
+    logits: bool
+
+
+def logits_bytes(shape: ModelShape, layout: Layout, options: PlanOptions) -> int:
+    """One micro-batch's logits on a GPU of the last stage, ``[s, V / TP]`` in the param dtype
+    (`megatron_rl.train.logprobs.token_logprobs` keeps them for its backward)."""
+    s, _ = token_counts(layout, options.micro_batch_tokens)
+    return s * (shape.vocab_size // layout.parallel.tensor_parallel) * options.param_bytes
+
+
+def _chunks(shape: ModelShape, layout: Layout, options: PlanOptions, stage: int) -> list[_Chunk]:
+    """The chunks of pipeline rank ``stage`` (one without a virtual pipeline)."""
+    _, t = token_counts(layout, options.micro_batch_tokens)
+    h, a = shape.hidden_size, options.param_bytes
+    last_rank = stage == layout.parallel.pipeline_parallel - 1
+    chunks = []
+    spans = layout.chunk_layers(shape.num_layers)[stage]
+    for c, (first, count) in enumerate(spans):
+        pattern = shape.moe_pattern[first : first + count]
+        layers = [layer_activation_bytes(shape, layout, options, moe=bool(sp)) for sp in pattern]
+        whole = [sum(layer.values()) for layer in layers]
+        part = [sum(v for k, v in layer.items() if k in ATTENTION_PART) for layer in layers]
+        post = last_rank and c == len(spans) - 1
+        final_norm = 2 * t * h * a if post else 0
+        if options.recompute == "full":
+            stored = count * t * h * a + final_norm
+            chunk = _Chunk(count, stored, stored + max(part), stored + max(whole), post)
+        else:
+            stored = sum(whole) + final_norm
+            attention = stored - final_norm - whole[-1] + part[-1]
+            chunk = _Chunk(count, stored, attention, 0, post)
+        chunks.append(chunk)
+    return chunks
 
 
 def stored_activations(
     shape: ModelShape, layout: Layout, options: PlanOptions, params: StageParams
 ) -> StoredActivations:
-    """ESTIMATE: the stored activations on a GPU of ``params.stage``, with ``PP - stage``
-    micro-batches in flight (1F1B).
+    """ESTIMATE: the stored activations on a GPU of pipeline rank ``params.stage``, over the
+    steps of megatron's schedule (`megatron_rl.memory_plan.schedule.rank_schedule`).
 
-    No recompute: per micro-batch, every layer's `layer_activation_bytes` and, on the last stage,
-    the final norm's ``2 t h a``; in its last layer's attention core (forward, or backward once
-    the layer's MLP part is freed) the newest micro-batch holds the layers before it and the last
-    layer's `ATTENTION_PART`. Full recompute (one layer per checkpoint): per micro-batch each
-    layer's input ``t h a`` (+ the final norm); the layer being recomputed adds its
-    `ATTENTION_PART` (in its attention core) or all of its activations (its MLP backward).
-    """
+    Per in-flight (chunk, micro-batch) pair, no recompute: every layer's
+    `layer_activation_bytes` of the chunk and, on the last chunk of the last rank, the final
+    norm's ``2 t h a``; in its last layer's attention core (forward, or backward once the layer's
+    MLP part is freed) a micro-batch holds the layers before it and the last layer's
+    `ATTENTION_PART`. Full recompute (one layer per checkpoint): per pair each layer's input
+    ``t h a`` (+ the final norm); the layer being recomputed adds its `ATTENTION_PART` (in its
+    attention core) or all of its activations (its MLP backward).
+
+    How many pairs: megatron's ``get_pp_rank_microbatches`` runs ``W`` warm-up forwards, then
+    forward ``W + k`` before backward ``k``, so at most ``min(W + 1, V M)`` are held:
+
+    * plain 1F1B (``V = 1``): ``W = PP - r - 1``, i.e. ``PP - r`` micro-batches of the stage's
+      ``L`` layers (``L (PP - r)`` layers' worth on rank ``r``);
+    * interleaved (``V`` chunks of ``L / V`` layers, groups of ``N`` micro-batches):
+      ``W = 2 (PP - r - 1) + (V - 1) N``, i.e. ``(2 (PP - r - 1) + (V - 1) N + 1) L / V``
+      layers' worth: on rank 0 at ``N = PP`` that is ``((V + 1) PP - 1) L / V`` against 1F1B's
+      ``PP L`` (PP 4, V 2: 5.5 L against 4 L), on the last rank ``((V - 1) N + 1) L / V``
+      against ``L``.
+
+    Which chunks the held pairs belong to follows the schedule's table, so each phase is taken
+    at its fullest step. On the last rank the last chunk's in-flight micro-batches also keep
+    their logits (the loss is computed in their forward, its backward comes later): at most one
+    with 1F1B (the micro-batch in its log-probs backward, `megatron_rl.memory_plan.phases`), and
+    the ``*_logits`` fields count the others' bytes."""
     s, t = token_counts(layout, options.micro_batch_tokens)
-    h, a = shape.hidden_size, options.param_bytes
-    final_norm = 2 * t * h * a if params.stage == layout.parallel.pipeline_parallel - 1 else 0
-    first = sum(layout.stage_layers(shape.num_layers)[: params.stage])
-    pattern = shape.moe_pattern[first : first + params.layers]
-    layers = [layer_activation_bytes(shape, layout, options, moe=bool(sp)) for sp in pattern]
-    whole = [sum(layer.values()) for layer in layers]
-    part = [sum(v for k, v in layer.items() if k in ATTENTION_PART) for layer in layers]
-    in_flight = layout.parallel.pipeline_parallel - params.stage
+    chunks = _chunks(shape, layout, options, params.stage)
+    v = layout.virtual_pipeline
+    schedule = rank_schedule(
+        layout.parallel.pipeline_parallel, params.stage, v, options.micro_batches
+    )
+    logit = logits_bytes(shape, layout, options)
+
+    def held(step, instead=None, value=0):
+        """(activations, logits of others) at ``step``, pair ``instead`` holding ``value``."""
+        kept = sum(chunks[c].stored for _, c in step.held)
+        holders = sum(chunks[c].logits for _, c in step.held)
+        if instead is not None:
+            kept += value - chunks[instead[1]].stored
+            holders -= chunks[instead[1]].logits
+        return kept, holders * logit
+
+    def peak(states):
+        return max(states, key=sum, default=(0, 0))
+
+    steps = schedule.steps
+    end = peak(held(step) for step in steps)
+    attention = peak(
+        held(step, pair, chunks[pair[1]].attention)
+        for step in steps
+        for pair in (step.newest, step.backward)
+        if pair is not None
+    )
+    recomputed = (0, 0)
+    if options.recompute == "full":
+        recomputed = peak(
+            held(step, step.backward, chunks[step.backward[1]].recomputing) for step in steps
+        )
+    logprobs = peak(
+        held(step, step.backward, chunks[step.backward[1]].stored)
+        for step in steps
+        if chunks[step.backward[1]].logits
+    )
+    n = schedule.max_in_flight
     tokens = f"s={s:,} t={t:,} tokens" + (
         "; with [s, s] probabilities" if options.spec == "local" else ""
     )
-    if options.recompute == "full":
-        kept = in_flight * params.layers * t * h * a + final_norm
-        note = f"{in_flight} x {params.layers} layer inputs (t h a); {tokens}"
-        return StoredActivations(kept, kept + max(part), kept + max(whole), note)
-    one = sum(whole) + final_norm
-    at_attention = in_flight * one - final_norm - whole[-1] + part[-1]
-    note = f"{in_flight} x {params.layers} layers, no recompute; {tokens}"
-    return StoredActivations(in_flight * one, at_attention, 0, note)
+    what = "layer inputs (t h a)" if options.recompute == "full" else "layers, no recompute"
+    if v == 1:
+        note = f"{n} x {params.layers} {what}; {tokens}"
+    else:
+        per_chunk = chunks[0].layers
+        note = (
+            f"interleaved VP{v}: up to {n} (chunk, micro-batch) x {per_chunk} {what} "
+            f"({schedule.warmup} warm-up forwards, groups of {schedule.group}); {tokens}"
+        )
+    return StoredActivations(
+        end=end[0],
+        attention=attention[0],
+        recomputed=recomputed[0],
+        note=note,
+        logprobs=logprobs[0],
+        end_logits=end[1],
+        attention_logits=attention[1],
+        recomputed_logits=recomputed[1],
+        logprobs_logits=logprobs[1],
+        in_flight=n,
+        warmup=schedule.warmup,
+    )
 
 
 def matrix_text(shape: ModelShape, layout: Layout, options: PlanOptions) -> str:

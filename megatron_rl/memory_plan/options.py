@@ -40,6 +40,9 @@ class PlanOptions:
     # megatron's unfused DotProductAttention and torch's AdamW (no TE installed), as the GPU smoke
     spec: str = "te"
     micro_batch_sequences: int = 1  # sequences packed in a micro-batch (attention is per sequence)
+    # micro-batches per optimizer step on a data-parallel rank (the pipeline schedule's M: its
+    # bubble, and the in-flight micro-batches; None: not known, as many as the schedule needs)
+    micro_batches: int | None = None
     # elements of a grad buffer the trainer's finiteness check (`backend.grad_check.all_finite`)
     # looks at per call; None: a whole buffer at once (the trainer before it chunked)
     grad_check_chunk_elements: int | None = GRAD_CHECK_CHUNK_ELEMENTS
@@ -75,6 +78,10 @@ class PlanOptions:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        if self.micro_batches is not None and not (
+            isinstance(self.micro_batches, int) and self.micro_batches >= 1
+        ):
+            raise ValueError(f"micro_batches={self.micro_batches!r}: must be None or >= 1")
         chunk = self.grad_check_chunk_elements
         if chunk is not None and not (isinstance(chunk, int) and chunk >= 1):
             raise ValueError(

@@ -46,7 +46,10 @@ def stage_tensors(
     linears). ``spec`` matters for multi-latent attention only: TE's spec replicates the q / kv
     down projections over TP (``TELinear``, duplicated), the local spec splits them
     (``ColumnParallelLinear``). ``lora`` (a `LoRAConfig` with a rank): the tensors frozen and
-    the adapters after them (`megatron_rl.memory_plan.lora`)."""
+    the adapters after them (`megatron_rl.memory_plan.lora`). With a virtual pipeline the
+    rank's chunks follow each other (``chunks.{c}.``, `megatron_rl.model.chunks.ModelChunks`,
+    one DDP over all of them): the embedding in chunk 0 of the first rank, the final norm and the
+    output layer in the last chunk of the last."""
     if lora is not None and lora.enabled:
         from megatron_rl.memory_plan.lora import with_adapters
 
@@ -58,8 +61,7 @@ def stage_tensors(
         p.expert_tensor_parallel,
         p.pipeline_parallel,
     )
-    per_stage = layout.stage_layers(shape.num_layers)
-    first = sum(per_stage[:stage])
+    chunks = layout.chunk_layers(shape.num_layers)[stage]
     h = shape.hidden_size
     tied_split = shape.tied_embeddings and pp > 1
     out: list[ParamTensor] = []
@@ -69,8 +71,13 @@ def stage_tensors(
                 "embedding.word_embeddings.weight", shape.vocab_size * h // tp, False, tied_split
             )
         )
-    for offset, sparse in enumerate(shape.moe_pattern[first : first + per_stage[stage]]):
-        prefix = f"decoder.layers.{offset}."
+    layers = [
+        (f"chunks.{c}." if len(chunks) > 1 else "", offset, shape.moe_pattern[first + offset])
+        for c, (first, count) in enumerate(chunks)
+        for offset in range(count)
+    ]
+    for chunk, offset, sparse in layers:
+        prefix = f"{chunk}decoder.layers.{offset}."
         out.append(ParamTensor(prefix + "input_layernorm.weight", h))
         if shape.mla:
             out += _mla_tensors(shape, prefix + "self_attention.", tp, spec)
@@ -147,12 +154,11 @@ def stage_params(
     """Exact local parameter counts of a GPU of ``stage`` (megatron-core GPTModel layout)."""
     tensors = stage_tensors(shape, layout, stage, spec=spec, lora=lora)
     base = [t for t in tensors if ".lora_" not in t.name]
-    first = sum(layout.stage_layers(shape.num_layers)[:stage])
-    layers = layout.stage_layers(shape.num_layers)[stage]
+    layers = layout.rank_layers(shape.num_layers, stage)
     return StageParams(
         stage,
-        layers,
-        sum(shape.moe_pattern[first : first + layers]),
+        len(layers),
+        sum(shape.moe_pattern[layer] for layer in layers),
         sum(t.numel for t in base if not t.expert),
         sum(t.numel for t in base if t.expert),
         sum(t.numel for t in tensors if ".lora_" in t.name),

@@ -44,6 +44,7 @@ def _attention_phases(
     dims = matrix_text(shape, layout, options)
     a = options.param_bytes
     activations = Term("activations", stored.attention, False, note=stored.note)
+    held = _held_logits(stored.attention_logits)
     excess = Term(
         "attention: measured excess",
         att.excess,
@@ -59,9 +60,20 @@ def _attention_phases(
     backward = Term("attention: backward", att.backward, False, note=backward_note)
     no_grad = options.recompute == "full"
     return [
-        Phase(PHASE_FORWARD, _nonzero(activations, forward, *(() if no_grad else (excess,)))),
-        Phase(PHASE_BACKWARD, _nonzero(activations, backward, excess)),
+        Phase(PHASE_FORWARD, _nonzero(activations, held, forward, *(() if no_grad else (excess,)))),
+        Phase(PHASE_BACKWARD, _nonzero(activations, held, backward, excess)),
     ]
+
+
+def _held_logits(nbytes: int) -> Term:
+    """The logits that the last chunk's other in-flight micro-batches keep for their log-probs
+    backward (interleaved schedule, last rank; `stored_activations`)."""
+    return Term(
+        "logits of in-flight micro-batches",
+        nbytes,
+        False,
+        note="the last chunk's micro-batches waiting for their backward (interleaved)",
+    )
 
 
 def _logits_phases(
@@ -71,15 +83,17 @@ def _logits_phases(
     backward (`megatron_rl.train.logprobs`: the logits ``[s, V / TP]``, their gradient in the
     activation dtype and one fp32 ``[chunk, V / TP]`` tile, on top of every stored activation;
     the logits die before the layers' backward) and the old-logprob pass (no grad: the logits
-    and the entropy's two fp32 tiles); with full recompute also a recomputed layer's backward."""
+    and the entropy's two fp32 tiles); with full recompute also a recomputed layer's backward.
+    With interleaving the last rank's other in-flight micro-batches of its last chunk keep their
+    logits meanwhile (`StoredActivations`' ``*_logits``)."""
     activations = Term("activations", stored.end, False, note=stored.note)
     phases = []
     if stored.recomputed:
-        phases.append(
-            Phase(PHASE_RECOMPUTED, (dataclasses.replace(activations, nbytes=stored.recomputed),))
-        )
+        recomputed = dataclasses.replace(activations, nbytes=stored.recomputed)
+        held = _held_logits(stored.recomputed_logits)
+        phases.append(Phase(PHASE_RECOMPUTED, _nonzero(recomputed, held)))
     if not last:
-        return [Phase(PHASE_END, (activations,)), *phases]
+        return [Phase(PHASE_END, _nonzero(activations, _held_logits(stored.end_logits))), *phases]
     s, _ = token_counts(layout, options.micro_batch_tokens)
     vocab = shape.vocab_size // layout.parallel.tensor_parallel
     chunk = min(options.logprob_chunk_tokens, s)
@@ -89,8 +103,10 @@ def _logits_phases(
     gradient = dataclasses.replace(logits, name="logits gradient")
     logprob = Term("log-prob tile", 4 * chunk * vocab, False, note=tile)
     entropy = Term("entropy tiles", 8 * chunk * vocab, False, note=f"2 x {tile}")
+    activations = dataclasses.replace(activations, nbytes=stored.logprobs)
+    held = _held_logits(stored.logprobs_logits)
     return [
-        Phase(PHASE_LOGPROBS, (activations, logits, gradient, logprob)),
+        Phase(PHASE_LOGPROBS, _nonzero(activations, held, logits, gradient, logprob)),
         Phase(PHASE_OLD_LOGPROBS, (logits, entropy)),
         *phases,
     ]
@@ -121,11 +137,13 @@ def stage_phases(
     params: StageParams,
     buffers: list[GradBuffer],
     optimizer_elements: int,
+    stored: StoredActivations | None = None,
 ) -> list[Phase]:
     """ESTIMATE: the phases of one training step on a GPU of ``params.stage``, each with what
     lives then besides the static terms: `_attention_phases`, `_logits_phases`, `_step_phases`.
-    ``optimizer_elements``: the parameter elements whose Adam state is on this GPU."""
-    stored = stored_activations(shape, layout, options, params)
+    ``optimizer_elements``: the parameter elements whose Adam state is on this GPU; ``stored``:
+    its `stored_activations` (computed here when None)."""
+    stored = stored or stored_activations(shape, layout, options, params)
     last = params.stage == layout.parallel.pipeline_parallel - 1
     forward, backward = _attention_phases(shape, layout, options, stored)
     return [

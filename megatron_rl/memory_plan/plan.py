@@ -1,16 +1,23 @@
 """The plan: every pipeline stage's static terms and phases, the peak (static terms plus the
-largest phase, fullest stage), the fits / no-fit verdict and its JSON form."""
+largest phase, fullest stage), the pipeline schedule (in flight, bubble), the fits / no-fit verdict
+and its JSON form."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from megatron_rl.memory_plan.activations import AttentionBytes, attention_bytes
+from megatron_rl.memory_plan.activations import (
+    AttentionBytes,
+    StoredActivations,
+    attention_bytes,
+    stored_activations,
+)
 from megatron_rl.memory_plan.layout import Layout
 from megatron_rl.memory_plan.options import PlanOptions
 from megatron_rl.memory_plan.params import StageParams, grad_buffers, stage_params
 from megatron_rl.memory_plan.phases import stage_phases
+from megatron_rl.memory_plan.schedule import bubble_fraction, bubble_share, group_size
 from megatron_rl.memory_plan.shape import ModelShape
 from megatron_rl.memory_plan.static import static_terms
 from megatron_rl.memory_plan.terms import GIB, Phase, Term
@@ -23,6 +30,7 @@ class StagePlan:
     params: StageParams
     static: tuple[Term, ...]
     phases: tuple[Phase, ...] = ()
+    stored: StoredActivations | None = None  # the schedule's in-flight activations
 
     @property
     def peak_phase(self) -> Phase | None:
@@ -46,6 +54,56 @@ class StagePlan:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PipelineSchedule:
+    """The layout's pipeline schedule (`megatron_rl.memory_plan.schedule`): ``PP`` stages of
+    ``V`` chunks, ``M`` micro-batches per update on a data-parallel rank (None: not known) in
+    groups of ``N``; per rank megatron's warm-up forwards and the most (chunk, micro-batch) pairs
+    in flight; the bubble, ``(PP - 1) / (V M)`` of the ideal time (``(PP - 1) / M`` with plain
+    1F1B) and ``(PP - 1) / (V M + PP - 1)`` of the step (None without ``M``; 0 without a
+    pipeline), and plain 1F1B's for comparison."""
+
+    pipeline_parallel: int
+    virtual_pipeline: int
+    micro_batches: int | None
+    group_size: int | None
+    warmup: tuple[int, ...]
+    in_flight: tuple[int, ...]
+    bubble: float | None
+    bubble_share: float | None
+    bubble_1f1b: float | None
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved 1F1B" if self.virtual_pipeline > 1 else "1F1B"
+
+
+def pipeline_schedule(
+    layout: Layout, options: PlanOptions, stages: tuple[StagePlan, ...]
+) -> PipelineSchedule:
+    """The `PipelineSchedule` of ``layout`` at ``options.micro_batches``, with each stage's
+    warm-up and pairs in flight from its `StoredActivations`."""
+    pp, v, m = layout.parallel.pipeline_parallel, layout.virtual_pipeline, options.micro_batches
+    if pp == 1:
+        bubble = share = plain = 0.0
+    elif m is None:
+        bubble = share = plain = None
+    else:
+        bubble, share = bubble_fraction(pp, v, m), bubble_share(pp, v, m)
+        plain = bubble_fraction(pp, 1, m)
+    return PipelineSchedule(
+        pipeline_parallel=pp,
+        virtual_pipeline=v,
+        micro_batches=m,
+        group_size=group_size(m, pp) if v > 1 and m is not None else None,
+        warmup=tuple(stage.stored.warmup for stage in stages if stage.stored),
+        in_flight=tuple(stage.stored.in_flight for stage in stages if stage.stored),
+        bubble=bubble,
+        bubble_share=share,
+        bubble_1f1b=plain,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class MemoryPlan:
     shape: ModelShape
     layout: Layout
@@ -65,6 +123,11 @@ class MemoryPlan:
     @property
     def fits(self) -> bool:
         return self.total_bytes <= self.gpu_gib * GIB
+
+    @property
+    def pipeline(self) -> PipelineSchedule:
+        """The layout's pipeline schedule: its warm-up, in-flight micro-batches and bubble."""
+        return pipeline_schedule(self.layout, self.options, self.stages)
 
     @property
     def attention(self) -> AttentionBytes:
@@ -115,7 +178,13 @@ class MemoryPlan:
                 "expert_data_parallel": self.layout.expert_data_parallel,
                 "world_size": self.layout.world_size,
                 "pipeline_layers": list(self.layout.stage_layers(self.shape.num_layers)),
+                "virtual_pipeline": self.layout.virtual_pipeline,
+                "chunk_layers": [
+                    [list(chunk) for chunk in rank]
+                    for rank in self.layout.chunk_layers(self.shape.num_layers)
+                ],
             },
+            "pipeline": dataclasses.asdict(self.pipeline),
             "options": dataclasses.asdict(self.options),
             "stages": [
                 {
@@ -128,6 +197,8 @@ class MemoryPlan:
                     "gpu_bytes": stage.gpu_bytes,
                     "gpu_gib": round(stage.gpu_bytes / GIB, 4),
                     "peak_phase": stage.peak_phase.name,
+                    "warmup_micro_batches": stage.stored.warmup,
+                    "in_flight": stage.stored.in_flight,
                     "terms": terms(stage.terms),  # static + the peak phase's: they sum to gpu_bytes
                     "phases": phases(stage),
                 }
@@ -157,6 +228,13 @@ def plan_memory(
             "the local spec has no context parallelism (megatron's DotProductAttention asserts "
             "context_parallel_size == 1); use spec='te'"
         )
+    if layout.virtual_pipeline > 1:
+        if options.micro_batches is not None:
+            group_size(options.micro_batches, layout.parallel.pipeline_parallel)  # M >= PP
+        if options.lora().enabled:
+            raise ValueError(
+                "LoRA with a virtual pipeline: the trainer refuses it (plain pipeline stages)"
+            )
     stages = []
     for stage in range(layout.parallel.pipeline_parallel):
         lora = options.lora()
@@ -170,6 +248,7 @@ def plan_memory(
             lora=lora,
         )
         static, elements = static_terms(shape, layout, options, params, buffers)
-        phases = stage_phases(shape, layout, options, params, buffers, elements)
-        stages.append(StagePlan(params, tuple(static), tuple(phases)))
+        stored = stored_activations(shape, layout, options, params)
+        phases = stage_phases(shape, layout, options, params, buffers, elements, stored)
+        stages.append(StagePlan(params, tuple(static), tuple(phases), stored))
     return MemoryPlan(shape, layout, options, tuple(stages), float(gpu_gib))

@@ -1,9 +1,10 @@
 """The DeepSeek-V3 (671B) and GLM-4.5 (355B) launchers (examples/deepseek_v3/,
 examples/glm4_moe/, on the Qwen3-MoE launchers' common.sh): every training node's DRY_RUN command
 passes the trainer's own parser and megatron-core's `TransformerConfig` checks for the preset of
-the real size (MLA, the uneven pipeline split, experts / EP), every serving node starts one SGLang
-server on the right checkpoint, and a layout the model file does not have is refused. Their memory
-plans are in tests/memory_plan/test_memory_plan_trainer_command.py. Nothing here runs on a GPU."""
+the real size (MLA, the uneven pipeline split, GLM-4.5's virtual pipeline, experts / EP), every
+serving node starts one SGLang server on the right checkpoint, and a layout the model file does
+not have is refused. Their memory plans are in
+tests/memory_plan/test_memory_plan_trainer_command.py. Nothing here runs on a GPU."""
 
 from __future__ import annotations
 
@@ -21,12 +22,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DEEPSEEK = ROOT / "examples" / "deepseek_v3" / "run_deepseek_v3.sh"
 GLM = ROOT / "examples" / "glm4_moe" / "run_glm_4_5.sh"
 
-# (launcher, preset, TRAIN_NODES) -> (PP, first / last stage layers, EP, Adam offloaded)
+# (launcher, preset, TRAIN_NODES) -> (PP, first / last stage layers, EP, Adam offloaded, virtual
+# pipeline: None for plain 1F1B, DeepSeek-V3's 61 layers have no split into chunks)
 LAYOUTS = {
-    (DEEPSEEK, "deepseek-v3", 16): (8, (7, 6), 16, False),
-    (DEEPSEEK, "deepseek-v3", 8): (8, (7, 6), 8, True),
-    (GLM, "glm-4.5", 8): (4, (None, None), 16, False),
-    (GLM, "glm-4.5", 4): (4, (None, None), 8, True),
+    (DEEPSEEK, "deepseek-v3", 16): (8, (7, 6), 16, False, None),
+    (DEEPSEEK, "deepseek-v3", 8): (8, (7, 6), 8, True, None),
+    (GLM, "glm-4.5", 8): (4, (22, 22), 16, False, 2),
+    (GLM, "glm-4.5", 4): (4, (22, 22), 8, True, 2),
 }
 IDS = ["deepseek-v3-256", "deepseek-v3-128", "glm-4.5-128", "glm-4.5-64"]
 
@@ -82,7 +84,7 @@ def _megatron_config(preset: str, config, monkeypatch):
 @pytest.mark.parametrize(("loss", "replay"), [("vespo", "off"), ("epic", "r2"), ("grpo", "r3")])
 def test_every_training_node_passes_the_trainer_and_megatron_checks(key, loss, replay, monkeypatch):
     script, preset, nodes = key
-    pp, (first, last), ep, offloaded = LAYOUTS[key]
+    pp, (first, last), ep, offloaded, virtual = LAYOUTS[key]
     for rank in range(nodes):
         result = _run(script, nodes, rank, LOSS=loss, REPLAY=replay)
         assert result.returncode == 0, result.stderr
@@ -98,6 +100,9 @@ def test_every_training_node_passes_the_trainer_and_megatron_checks(key, loss, r
         assert parallel.context_parallel == 1
         assert config.data_parallel_size(nodes * 8) == nodes * 8 // (8 * pp)
         assert (config.model.first_stage_layers, config.model.last_stage_layers) == (first, last)
+        assert config.model.virtual_stages == virtual
+        dp = config.data_parallel_size(nodes * 8)
+        assert config.schedule.global_batch_size // (dp * config.schedule.micro_batch_size) >= pp
         assert len(config.engine.sglang_url) == nodes and config.engine.sglang_engine_ranks == 8
         assert config.engine.weight_sync_fp8_blocks == (preset == "deepseek-v3")
         assert config.optimizer.cpu_offload == offloaded
@@ -106,6 +111,7 @@ def test_every_training_node_passes_the_trainer_and_megatron_checks(key, loss, r
     assert megatron.pipeline_model_parallel_size == pp and megatron.sequence_parallel
     assert megatron.num_layers_in_first_pipeline_stage == first
     assert megatron.num_layers_in_last_pipeline_stage == last
+    assert megatron.virtual_pipeline_model_parallel_size == virtual
     assert megatron.expert_model_parallel_size == ep
     assert megatron.recompute_granularity == "full"
     if preset == "deepseek-v3":  # multi-latent attention with the release's ranks

@@ -42,20 +42,25 @@ def _plan(capsys, argv: list[str]) -> dict:
 
 
 def test_the_235b_launchers_command_plans_as_the_tools_own_flags(capsys):
-    """The fullest arm (KL reference, R2 recordings of all 512 samples): TP4+SP PP4 23/24/24/23
-    EP8 on 4 x 8 GPUs, all of the Adam state offloaded, 18,432-token micro-batches."""
+    """The fullest arm (KL reference, R2 recordings of all 512 samples): TP4+SP PP4 24/24/24/22
+    in 2 virtual stages each, EP8 on 4 x 8 GPUs, all of the Adam state offloaded, 18,432-token
+    micro-batches, 32 of them per data-parallel rank and update."""
     torchrun = _launcher_torchrun(
         "run_qwen3_235b_a22b.sh",
         MASTER_ADDR="node0", ROLLOUT_HOSTS="node4 node5 node6 node7", LOSS="epic", REPLAY="r2",
     )  # fmt: skip
     from_command = _plan(capsys, ["--model", "qwen3-235b-a22b", "--gpu-gib", "80", "--", *torchrun])
     own = "--model qwen3-235b-a22b --tp 4 --pp 4 --ep 8 --world-size 32 --sp "
-    own += "--decoder-first-pipeline-num-layers 23 --decoder-last-pipeline-num-layers 23 "
+    own += "--decoder-first-pipeline-num-layers 24 --decoder-last-pipeline-num-layers 22 "
+    own += "--virtual-pipeline-model-parallel-size 2 --micro-batches 32 "
     own += "--optimizer-offload-fraction 1 --micro-batch-tokens 18432 --routing-replay r2 "
     own += "--routing-responses 512 --routing-response-tokens 18432 --reference gpu --gpu-gib 80"
     own += " --sync-staging-buffers 2"  # the distributed transport's, on each stage's sender
     assert from_command == _plan(capsys, own.split())
-    assert from_command["layout"]["pipeline_layers"] == [23, 24, 24, 23] and from_command["fits"]
+    assert from_command["layout"]["pipeline_layers"] == [24, 24, 24, 22] and from_command["fits"]
+    assert from_command["layout"]["virtual_pipeline"] == 2
+    pipeline = from_command["pipeline"]
+    assert pipeline["in_flight"] == [11, 9, 7, 5] and pipeline["bubble"] == 3 / 64
     # a change on the launcher's command line is a change of the plan: no offload, no fit
     at = torchrun.index("--optimizer-cpu-offload")
     no_offload = torchrun[:at] + torchrun[at + 3 :]
@@ -69,7 +74,7 @@ def test_the_colocated_launchers_command_gives_its_mem_fraction(capsys, gpu_gib,
     )
     plan = _plan(capsys, ["--model", "qwen3-30b-a3b", "--gpu-gib", gpu_gib, "--", *torchrun])
     own = "--model qwen3-30b-a3b --tp 2 --ep 8 --world-size 32 --micro-batch-tokens 18432 "
-    own += f"--gpu-gib {gpu_gib} --colocated --server-tp 8"
+    own += f"--gpu-gib {gpu_gib} --colocated --server-tp 8 --micro-batches 4"  # 64 / DP16
     assert plan == _plan(capsys, own.split())
     assert plan["colocated"]["mem_fraction_static"] == fraction
 
@@ -110,6 +115,8 @@ def test_bare_trainer_flags_take_the_world_size_from_the_tool(capsys):
     plan = _plan(capsys, ["--model", "qwen3-30b-a3b", "--world-size", "16", "--", *flags.split()])
     assert plan["layout"]["data_parallel"] == 8
     assert plan["options"]["micro_batch_tokens"] == 2 * (1024 + 3072)
+    assert plan["options"]["micro_batches"] == 64 // (8 * 2)
+    assert plan["pipeline"]["bubble"] == 0.0  # no pipeline
 
 
 @pytest.mark.parametrize(
@@ -135,21 +142,27 @@ def test_a_command_the_trainer_refuses_is_refused(capsys):
     assert "--global-batch-size" in capsys.readouterr().err
 
 
-# the DeepSeek-V3 and GLM-4.5 launchers: (run script, preset, TRAIN_NODES, own flags, offloaded)
+# the DeepSeek-V3 and GLM-4.5 launchers: (run script, preset, TRAIN_NODES, own flags, offloaded,
+# the bubble (PP-1)/(V M) of the ideal time: 64 samples per update over DP ranks)
+GLM_VP = "--pipeline-layers 22,24,24,22 --virtual-pipeline-model-parallel-size 2"
 LARGE_LAUNCHERS = {
     "deepseek-v3-256": (
         "../deepseek_v3/run_deepseek_v3.sh", "deepseek-v3", 16,
-        "--tp 8 --pp 8 --ep 16 --world-size 128 --pipeline-layers 7,8,8,8,8,8,8,6", False,
+        "--tp 8 --pp 8 --ep 16 --world-size 128 --pipeline-layers 7,8,8,8,8,8,8,6 "
+        "--micro-batches 32", False, 7 / 32,
     ),
     "deepseek-v3-128": (
         "../deepseek_v3/run_deepseek_v3.sh", "deepseek-v3", 8,
-        "--tp 8 --pp 8 --ep 8 --world-size 64 --pipeline-layers 7,8,8,8,8,8,8,6", True,
+        "--tp 8 --pp 8 --ep 8 --world-size 64 --pipeline-layers 7,8,8,8,8,8,8,6 "
+        "--micro-batches 64", True, 7 / 64,
     ),
     "glm-4.5-128": (
-        "../glm4_moe/run_glm_4_5.sh", "glm-4.5", 8, "--tp 8 --pp 4 --ep 16 --world-size 64", False,
+        "../glm4_moe/run_glm_4_5.sh", "glm-4.5", 8,
+        f"--tp 8 --pp 4 --ep 16 --world-size 64 {GLM_VP} --micro-batches 32", False, 3 / 64,
     ),
     "glm-4.5-64": (
-        "../glm4_moe/run_glm_4_5.sh", "glm-4.5", 4, "--tp 8 --pp 4 --ep 8 --world-size 32", True,
+        "../glm4_moe/run_glm_4_5.sh", "glm-4.5", 4,
+        f"--tp 8 --pp 4 --ep 8 --world-size 32 {GLM_VP} --micro-batches 64", True, 3 / 128,
     ),
 }  # fmt: skip
 
@@ -160,7 +173,7 @@ def test_the_large_family_launchers_commands_fit_h200_and_plan_as_the_tools_own_
     DeepSeek-V3 / GLM-4.5 layout fits a 141-GiB H200; the layouts that keep the Adam state in host
     memory do not fit without it. Routing state: uint8 routes (256 / 160 experts fit a byte) of
     the MoE layers only, the EPIC paper's M = N T L_MoE K b per rank."""
-    script, model, nodes, layout, offloaded = LARGE_LAUNCHERS[case]
+    script, model, nodes, layout, offloaded, bubble = LARGE_LAUNCHERS[case]
     hosts = " ".join(f"node{nodes + i}" for i in range(nodes))
     torchrun = _launcher_torchrun(
         script, MASTER_ADDR="node0", ROLLOUT_HOSTS=hosts, TRAIN_NODES=str(nodes),
@@ -173,6 +186,7 @@ def test_the_large_family_launchers_commands_fit_h200_and_plan_as_the_tools_own_
     own += " --optimizer-offload-fraction 1" if offloaded else ""
     assert plan == _plan(capsys, own.split())
     assert plan["fits"], plan["total_gib"]
+    assert plan["pipeline"]["bubble"] == bubble
     first_k_dense = 3
     moe_layers = [stage["moe_layers"] for stage in plan["stages"]]
     assert sum(moe_layers) == plan["model"]["num_layers"] - first_k_dense

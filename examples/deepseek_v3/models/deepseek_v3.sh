@@ -37,6 +37,12 @@ MODEL_ARGS=(
 #   TRAIN_NODES=8 (the 128-GPU job, 64 train): EP8 DP1, Adam in host memory:
 #     95.0 GiB on stage 1, fits 141; without the offload 224.9 GiB, which does not; 173 GiB of
 #     host memory per GPU (1.4 TiB per node)
+# Plain 1F1B, no interleaving: megatron splits each stage's layers evenly over its model chunks,
+# so a virtual pipeline of V needs every stage's layer count divisible by V, and 61 layers (a
+# prime) have no such split for any V > 1 (the layers would sum to a multiple of V). The bubble
+# stays (PP-1)/M of the ideal step: 7/32 = 21.9% with the 32 micro-batches per rank of
+# TRAIN_NODES=16 (DP2, STALENESS=8), 7/64 = 10.9% with the 64 of TRAIN_NODES=8 (DP1); fewer
+# pipeline stages or more micro-batches per rank (a lower STALENESS) are what shrink it here.
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 case "${TRAIN_NODES}" in
   16) EXPERT_PARALLEL=16 OPTIMIZER_OFFLOAD=opt-in ;;

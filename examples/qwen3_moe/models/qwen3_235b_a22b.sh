@@ -14,8 +14,16 @@ MODEL_ARGS=(
 
 # 32 training GPUs (4 nodes x 8): tensor parallel 4 (+ sequence parallel; 4 KV heads cap TP at
 # 4), pipeline parallel 4 with one node per stage, expert parallel 8 inside each node (the
-# all-to-all never leaves NVLink), data parallel 2 (expert data parallel 1). 94 layers split
-# 23/24/24/23: the first and last stages carry the embedding / the output layer and its logits.
+# all-to-all never leaves NVLink), data parallel 2 (expert data parallel 1). Interleaved 1F1B
+# with 2 model chunks per stage (virtual pipeline 2): 94 layers split 24/24/24/22, each stage's
+# layers in two chunks of 12 (11 on the last stage, which also runs the output layer and the
+# log-probs: its 22 layers + the 0.6B-parameter output layer are about the work of 24.8 layers).
+# 32 micro-batches per rank and update at STALENESS=8: the bubble is (PP-1)/(V M) = 3/64 = 4.7%
+# of the ideal step instead of 1F1B's 3/32 = 9.4% (23/24/24/23 without chunks), for twice the
+# stage-to-stage messages and 11 / 9 / 7 / 5 (chunk, micro-batch) pairs of 12 layers (11 on stage
+# 3) in flight on stages 0-3 instead of 4 / 3 / 2 / 1 micro-batches of 23-24 (the memory plan
+# below). The schedule
+# needs >= 4 micro-batches per rank (STALENESS <= 64); TRAIN_PARALLEL replaces these flags.
 # No context parallelism: the trainer refuses it (its attention needs Transformer Engine), and at
 # 18k-token micro-batches the activations are small next to the expert weights and gradients.
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -23,8 +31,9 @@ PARALLEL_ARGS=(
   --tensor-model-parallel-size 4
   --sequence-parallel
   --pipeline-model-parallel-size 4
-  --decoder-first-pipeline-num-layers 23
-  --decoder-last-pipeline-num-layers 23
+  --decoder-first-pipeline-num-layers 24
+  --decoder-last-pipeline-num-layers 22
+  --virtual-pipeline-model-parallel-size 2
   --expert-model-parallel-size 8
 )
 # The Adam state always lives in host memory (OPTIMIZER_OFFLOAD_FRACTION, default 1.0, of it):
@@ -50,20 +59,27 @@ SERVER_MEM_FRACTION=${SERVER_MEM_FRACTION:-0.85}
 #   python tools/memory_plan.py --model qwen3-235b-a22b --gpu-gib 80 -- torchrun ... \
 #       -m megatron_rl.train ...
 #
-#   chosen: TP4+SP PP4 (23/24/24/23) EP8 DP2, EDP1, stage 1 (the fullest), GiB:
-#     parameters, bf16 (dense + experts) 14.32; fp32 gradient buffers 28.64; optimizer on GPU 0
-#     (all offloaded); routing state + targets (R2) 0.22; reference model (KL arms) 14.32;
-#     reserve 4.00; static 61.50, then the largest phase of a step: a recomputed layer's
-#     backward 3.93 (the last layer's attention 3.06, the chunked gradient check 0.44)
-#     total 65.43 GiB at "backward: a recomputed layer"  FITS 80 (stages 0-3: 64.9-65.4)
-#     host memory: Adam master/m/v + grad copy 111.28 per GPU
-#   i.e. about 0.9 TiB of host memory per training node (+ 14 GiB per GPU for the offloaded KL
+#   chosen: TP4+SP PP4 x VP2 (24/24/24/22 in chunks of 12/12/12/11) EP8 DP2, EDP1, stage 0
+#   (the fullest), GiB:
+#     parameters, bf16 (dense + experts) 14.61; fp32 gradient buffers 29.22; optimizer on GPU 0
+#     (all offloaded); routing state + targets (R2) 0.22; reference model (KL arms) 14.61;
+#     weight-sync staging 1.00; reserve 4.00; static 63.66, then the largest phase of a step: a
+#     recomputed layer's backward 6.04 (the last layer's attention 5.16, the chunked gradient
+#     check 0.44)
+#     total 69.70 GiB at "backward: a recomputed layer"  FITS 80 (stages 0-3: 69.7 / 67.7 / 66.9
+#     / 64.1)
+#     host memory: Adam master/m/v + grad copy 112.44 per GPU
+#   i.e. about 0.9 TiB of host memory per training node (+ 15 GiB per GPU for the offloaded KL
 #   reference between its passes): the training nodes need 2 TiB-class hosts. Keeping part of the
-#   state on the GPU: OPTIMIZER_OFFLOAD_FRACTION=0.9 plans 73.8 GiB (fits), 0.8 does not (82.1).
-#   The same without offload: 148.9 GiB on stage 1 (the expert Adam state, 12 B per parameter
+#   state on the GPU: OPTIMIZER_OFFLOAD_FRACTION=0.9 plans 78.1 GiB (fits), 0.8 does not (86.6).
+#   The stored layer inputs at the end of a forward (full recompute, 36 MiB per layer and
+#   micro-batch): 4.64 / 3.80 / 2.95 / 2.00 GiB on stages 0-3 (11 / 9 / 7 / 5 chunks of 12 / 12 /
+#   12 / 11 layers in flight) against plain 1F1B's 3.23 / 2.53 / 1.69 / 0.88 (4 / 3 / 2 / 1
+#   micro-batches of 23 / 24 / 24 / 23 layers), which planned 66.4 GiB on stage 1.
+#   The same without offload: 154.0 GiB on stage 0 (the expert Adam state, 12 B per parameter
 #   with no expert data parallelism to shard it over, is 81 GiB alone). The trainer checks the
 #   gradients for NaN/Inf in chunks (backend/grad_check.py): over a whole buffer at once that
-#   check alone held 47 GiB and this layout planned 108.8 GiB.
+#   check alone held 47 GiB and this layout planned 110.9 GiB.
 #
 #   without pipeline parallelism (same 32 GPUs, TP4+SP, full offload, same options):
 #     EP8  DP8 (EDP4):  237.5 GiB  DOES NOT FIT (56.7 GiB of bf16 params, 113.3 GiB of fp32 grads)
@@ -75,4 +91,6 @@ SERVER_MEM_FRACTION=${SERVER_MEM_FRACTION:-0.85}
 #   fp32 grads of 1/16 of the 227B expert parameters and of a stage's attention: 83.5 GiB).
 #   PP4 EP8 keeps each pipeline stage on one node, so the expert all-to-all stays on NVLink and
 #   only the stage-to-stage activations and the DP2 gradient reduction cross nodes. The bubble:
-#   32 micro-batches per rank and step at STALENESS=8, (4-1)/(32+4-1) = 9%.
+#   32 micro-batches per rank and step at STALENESS=8, (PP-1)/(V M) = 3/64 = 4.7% of the ideal
+#   time with the two chunks (4.5% of the step), 1F1B's (PP-1)/M = 3/32 = 9.4% without; the plan
+#   prints it (docs/cluster-launch.md, "Interleaved pipeline").
