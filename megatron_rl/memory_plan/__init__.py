@@ -113,7 +113,6 @@ from megatron_rl.memory_plan.schedule import (
     RankSchedule,
     bubble_fraction,
     bubble_share,
-    group_size,
     rank_schedule,
     warmup_micro_batches,
 )
@@ -168,7 +167,6 @@ __all__ = [
     "bubble_fraction",
     "bubble_share",
     "grad_buffers",
-    "group_size",
     "kv_bytes_per_token",
     "layer_activation_bytes",
     "load_model_config",

@@ -17,10 +17,11 @@ from megatron_rl.memory_plan.layout import Layout
 from megatron_rl.memory_plan.options import PlanOptions
 from megatron_rl.memory_plan.params import StageParams, grad_buffers, stage_params
 from megatron_rl.memory_plan.phases import stage_phases
-from megatron_rl.memory_plan.schedule import bubble_fraction, bubble_share, group_size
+from megatron_rl.memory_plan.schedule import bubble_fraction, bubble_share
 from megatron_rl.memory_plan.shape import ModelShape
 from megatron_rl.memory_plan.static import static_terms
 from megatron_rl.memory_plan.terms import GIB, Phase, Term
+from megatron_rl.model.stages import interleaved_group_size
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ def pipeline_schedule(
         pipeline_parallel=pp,
         virtual_pipeline=v,
         micro_batches=m,
-        group_size=group_size(m, pp) if v > 1 and m is not None else None,
+        group_size=interleaved_group_size(m, pp) if v > 1 and m is not None else None,
         warmup=tuple(stage.stored.warmup for stage in stages if stage.stored),
         in_flight=tuple(stage.stored.in_flight for stage in stages if stage.stored),
         bubble=bubble,
@@ -230,7 +231,7 @@ def plan_memory(
         )
     if layout.virtual_pipeline > 1:
         if options.micro_batches is not None:
-            group_size(options.micro_batches, layout.parallel.pipeline_parallel)  # M >= PP
+            interleaved_group_size(options.micro_batches, layout.parallel.pipeline_parallel)
         if options.lora().enabled:
             raise ValueError(
                 "LoRA with a virtual pipeline: the trainer refuses it (plain pipeline stages)"

@@ -19,8 +19,8 @@ Read from ``megatron/core/pipeline_parallel/schedules.py``:
   left); backward ``i`` runs chunk ``V - 1 - chunk(i)`` on that chunk's oldest forward
   (``input_tensors[chunk].pop(0)``).
 
-The trainer's ``N`` is the smallest megatron accepts for ``M`` (`group_size`, as
-``megatron_rl.train.pipeline.interleaved_group_size``).
+The trainer's ``N`` is the smallest megatron accepts for ``M``
+(`megatron_rl.model.stages.interleaved_group_size`).
 
 The bubble: with ``t`` the time of one micro-batch through one stage (forward and backward), the
 ideal step is ``M t``, and 1F1B idles ``(PP - 1) t`` per step (fill and drain), i.e. bubble /
@@ -35,22 +35,11 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+from megatron_rl.model.stages import interleaved_group_size
+
 # the micro-batches a plan assumes when the schedule's M is not known: enough that no cap binds
 # and every group holds PP of them (the steady state of a long pass)
 ASSUMED_GROUPS = 4
-
-
-def group_size(micro_batches: int, pipeline_parallel: int) -> int:
-    """megatron's ``microbatch_group_size_per_vp_stage`` as the trainer sets it: the smallest
-    ``N`` in ``[PP, M]`` whose last group is empty or holds ``>= PP`` micro-batches (``PP``
-    whenever ``M % PP == 0``). ValueError where ``M < PP`` (megatron's interleaved schedule
-    refuses it)."""
-    pp, m = pipeline_parallel, micro_batches
-    if m < pp:
-        raise ValueError(
-            f"{m} micro-batches per update: the interleaved pipeline schedule needs >= PP={pp}"
-        )
-    return next(n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp)
 
 
 def warmup_micro_batches(
@@ -121,7 +110,7 @@ def rank_schedule(
     m = assumed if micro_batches is None else micro_batches
     if m < 1:
         raise ValueError(f"micro_batches={m}: must be >= 1")
-    group = group_size(m, pp) if virtual > 1 else m
+    group = interleaved_group_size(m, pp) if virtual > 1 else m
     warmup = warmup_micro_batches(pp, rank, virtual, m, group)
     forwards = schedule_table(m, virtual, group)
     total = len(forwards)

@@ -110,3 +110,16 @@ def virtual_chunk_layers(
         )
         for rank in range(pipeline_parallel)
     )
+
+
+def interleaved_group_size(micro_batches: int, pipeline_parallel: int) -> int:
+    """megatron's ``microbatch_group_size_per_vp_stage`` as the trainer sets it: the smallest
+    ``N`` in ``[PP, M]`` whose last group is empty or holds ``>= PP`` micro-batches (megatron's
+    interleaved schedule refuses the others; ``PP`` whenever ``M % PP == 0``). ValueError where
+    ``M < PP`` (the schedule refuses it)."""
+    pp, m = pipeline_parallel, micro_batches
+    if m < pp:
+        raise ValueError(
+            f"{m} micro-batches per update: the interleaved pipeline schedule needs >= PP={pp}"
+        )
+    return next(n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp)

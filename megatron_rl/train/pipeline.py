@@ -34,6 +34,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_rl.backend import cuda_available
 from megatron_rl.model.chunks import as_chunks
 from megatron_rl.model.router_padding import padding_mask_BS
+from megatron_rl.model.stages import interleaved_group_size
 from megatron_rl.routing.passes import ReplayPasses
 from megatron_rl.train.batch import MicroBatch
 from megatron_rl.train.logprobs import forward_logits
@@ -158,12 +159,6 @@ def interleaved_schedule_options(config, count: int) -> None:
     config.microbatch_group_size_per_vp_stage = interleaved_group_size(count, pp)
     config.overlap_p2p_comm = True
     config.batch_p2p_comm = False
-
-
-def interleaved_group_size(count: int, pp: int) -> int:
-    """The smallest micro-batch group ``N`` in ``[pp, count]`` whose last group is empty or
-    holds ``>= pp`` micro-batches (megatron's conditions); ``count >= pp``."""
-    return next(n for n in range(pp, count + 1) if count % n == 0 or count % n >= pp)
 
 
 def min_micro_batches() -> int:

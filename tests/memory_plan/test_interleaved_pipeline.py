@@ -17,7 +17,6 @@ from megatron_rl.memory_plan import (
     PlanOptions,
     bubble_fraction,
     bubble_share,
-    group_size,
     layer_activation_bytes,
     load_model_config,
     logits_bytes,
@@ -28,7 +27,7 @@ from megatron_rl.memory_plan import (
     warmup_micro_batches,
 )
 from megatron_rl.memory_plan.schedule import schedule_table
-from megatron_rl.model.stages import megatron_stage_layers
+from megatron_rl.model.stages import interleaved_group_size, megatron_stage_layers
 from megatron_rl.parallel import ParallelConfig
 
 # (PP, V, M): plain 1F1B (V 1), interleaved with M a multiple of PP (N = PP), with a last group
@@ -59,7 +58,7 @@ def test_warmup_and_table_are_megatrons(pp, virtual, m):
     ``PP - r`` micro-batches with 1F1B."""
     from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
-    n = group_size(m, pp) if virtual > 1 else m
+    n = interleaved_group_size(m, pp) if virtual > 1 else m
     if virtual > 1:
         assert schedule_table(m, virtual, n) == get_schedule_table(m, virtual, n)
     for rank in range(pp):
@@ -82,14 +81,9 @@ def test_warmup_and_table_are_megatrons(pp, virtual, m):
         assert all(step.backward in step.held for step in schedule.steps)
 
 
-def test_group_size_is_the_trainers():
-    from megatron_rl.train.pipeline import interleaved_group_size
-
-    for pp in (2, 3, 4, 8):
-        for m in range(pp, 5 * pp):
-            assert group_size(m, pp) == interleaved_group_size(m, pp), (pp, m)
+def test_the_group_size_refuses_fewer_micro_batches_than_stages():
     with pytest.raises(ValueError, match="needs >= PP=4"):
-        group_size(3, 4)
+        interleaved_group_size(3, 4)
 
 
 def test_bubble_formulas():

@@ -154,7 +154,7 @@ def test_virtual_stage_size_refuses_what_megatron_lm_refuses(kwargs, message):
 )
 def test_interleaved_group_size_is_the_smallest_megatron_accepts(count, pp, group):
     """Megatron refuses N outside [PP, M] and a last group of 0 < M % N < PP micro-batches."""
-    from megatron_rl.train.pipeline import interleaved_group_size
+    from megatron_rl.model.stages import interleaved_group_size
 
     n = interleaved_group_size(count, pp)
     assert n == group
