@@ -145,9 +145,9 @@ def interleaved_schedule_options(config, count: int) -> None:
       micro-batches. Megatron-LM's default ``N = PP`` then needs ``M % PP == 0``; here ``N`` is
       the smallest size megatron accepts for this ``M`` (``PP`` whenever ``M % PP == 0``), so
       any ``M >= PP`` runs. A larger ``N`` holds more micro-batches' activations in warm-up.
-    * p2p: Megatron-LM's interleaved default, overlapped sends and receives, not batched. With
-      variable sequence lengths at PP 2 the batched form exchanges shapes with the same peer in
-      both directions at once, which megatron does not support.
+    * p2p: overlapped sends and receives, not batched (Megatron-LM's default for the
+      interleaved schedule; gloo has no batched form anyway). The variable-shape exchange of
+      the batched form was not run here: it needs NCCL.
     """
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if count < pp:
