@@ -105,18 +105,26 @@ class ModelOptions:
             raise bad_value(self, "aux_loss_coeff", "must be >= 0")
         check_choice(self, "token_dispatcher", ("alltoall", "allgather"))
 
+    @property
+    def interleaved(self) -> bool:
+        """Whether a virtual pipeline flag asks for model chunks (the size needs the layers)."""
+        return self.virtual_stages not in (None, 1) or self.layers_per_virtual_stage is not None
+
+    @property
+    def uneven_stages(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
+
     def virtual_pipeline_size(self, num_layers: int, pipeline_parallel: int) -> int | None:
         """Model chunks per pipeline rank (None: plain 1F1B); ValueError naming the flags
         megatron would refuse (`megatron_rl.model.stages.virtual_stage_size`)."""
         from megatron_rl.model.stages import virtual_stage_size
 
-        uneven = self.first_stage_layers is not None or self.last_stage_layers is not None
         return virtual_stage_size(
             num_layers,
             pipeline_parallel,
             self.virtual_stages,
             self.layers_per_virtual_stage,
-            uneven=uneven,
+            uneven=self.uneven_stages,
         )
 
     @property

@@ -53,17 +53,8 @@ def virtual_stage_size(
     ``num_layers / PP / layers_per_virtual_stage``). ValueError naming the flag where
     Megatron-LM refuses the combination: both flags, interleaving at PP 1, or the per-chunk
     size with uneven first/last stages (``uneven``)."""
-    if virtual_stages is not None and layers_per_virtual_stage is not None:
-        raise ValueError(
-            "--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage "
-            "both given: give one"
-        )
+    check_virtual_flags(pipeline_parallel, virtual_stages, layers_per_virtual_stage, uneven)
     if layers_per_virtual_stage is not None:
-        if uneven:
-            raise ValueError(
-                "--num-layers-per-virtual-pipeline-stage with --decoder-first/last-pipeline-num-"
-                "layers: Megatron-LM refuses it; give --virtual-pipeline-model-parallel-size"
-            )
         per_rank, left = divmod(num_layers, pipeline_parallel)
         if left or per_rank % layers_per_virtual_stage:
             raise ValueError(
@@ -79,6 +70,31 @@ def virtual_stage_size(
             f"virtual pipeline size {virtual_stages} needs --pipeline-model-parallel-size > 1"
         )
     return virtual_stages
+
+
+def check_virtual_flags(
+    pipeline_parallel: int,
+    virtual_stages: int | None,
+    layers_per_virtual_stage: int | None,
+    uneven: bool = False,
+) -> None:
+    """ValueError for the virtual pipeline flag combinations Megatron-LM refuses whatever the
+    model: both flags, the per-chunk size with uneven stages, a virtual size > 1 at PP 1 (the
+    layer split itself is `virtual_stage_size`'s, which needs the layer count)."""
+    if virtual_stages is not None and layers_per_virtual_stage is not None:
+        raise ValueError(
+            "--virtual-pipeline-model-parallel-size and --num-layers-per-virtual-pipeline-stage "
+            "both given: give one"
+        )
+    if layers_per_virtual_stage is not None and uneven:
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage with --decoder-first/last-pipeline-num-"
+            "layers: Megatron-LM refuses it; give --virtual-pipeline-model-parallel-size"
+        )
+    if virtual_stages not in (None, 1) and pipeline_parallel == 1:
+        raise ValueError(
+            f"virtual pipeline size {virtual_stages} needs --pipeline-model-parallel-size > 1"
+        )
 
 
 def virtual_chunk_layers(

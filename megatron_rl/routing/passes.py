@@ -114,16 +114,14 @@ class ReplayPasses:
         routes, counted = self._targets(key, batch, phase)
         return self.driver.replay(routes=routes, phase=phase, counted_rows=counted)
 
-    def _targets(
-        self, key: Hashable, batch: RoutedMicroBatch, phase: str, *, count_bytes: bool = True
-    ):
+    def _targets(self, key: Hashable, batch: RoutedMicroBatch, phase: str):
         """``(routes per local MoE layer, counted rows)`` to replay into micro-batch ``key``:
         R2's recording, or R3's engine routes (whose bytes the behaviour pass counts in
         ``routing/bytes_per_rank``: they are held from the rollout to the step's last update)."""
         counted = self._counted_rows(batch)
         if self.mode == "r2":
             return self.driver.recorded_routes(key), counted
-        if phase == "behaviour" and count_bytes:  # once per micro-batch, not per model chunk
+        if phase == "behaviour":
             self._sample_route_bytes += sum(blob.nbytes for blob in batch.routes if blob)
         return self._engine_routes(batch), counted
 
@@ -168,13 +166,25 @@ class ReplayPasses:
             if records:
                 yield _nothing, lambda key, batch, chunk: self.driver.keep_recorded(key, chunk)
             else:
-                yield (lambda key, batch, chunk: self._push(key, batch, phase, chunk)), _nothing
+                pending: dict[Hashable, tuple] = {}  # targets until the last chunk took them
+                yield (
+                    (lambda key, batch, chunk: self._push(key, batch, phase, chunk, pending)),
+                    _nothing,
+                )
             succeeded = True
         finally:
             self.driver.finish_pass(succeeded)
 
-    def _push(self, key: Hashable, batch: RoutedMicroBatch, phase: str, chunk: int) -> None:
-        routes, counted = self._targets(key, batch, phase, count_bytes=chunk == 0)
+    def _push(
+        self, key: Hashable, batch: RoutedMicroBatch, phase: str, chunk: int, pending: dict
+    ) -> None:
+        """Micro-batch ``key``'s targets to chunk ``chunk``: computed once per micro-batch (its
+        first chunk's forward) and kept until its last chunk's."""
+        if key not in pending:
+            pending[key] = self._targets(key, batch, phase)
+        routes, counted = pending[key]
+        if chunk == self.driver.num_chunks - 1:
+            del pending[key]
         self.driver.push(routes, counted, chunk=chunk)
 
     def _engine_routes(self, batch: RoutedMicroBatch) -> list[torch.Tensor]:

@@ -132,14 +132,11 @@ class TrainConfig:
         """The virtual pipeline flags' refusals that need no model config (the layer split is
         checked where the model config is known: `megatron_rl.model.config`)."""
         model, pp = self.model, self.parallel.pipeline_parallel
-        if model.virtual_stages not in (None, 1) or model.layers_per_virtual_stage is not None:
-            from megatron_rl.model.stages import virtual_stage_size
+        if model.interleaved:
+            from megatron_rl.model.stages import check_virtual_flags
 
-            uneven = model.first_stage_layers is not None or model.last_stage_layers is not None
-            # any layer count that splits: only the flag combinations are checked here
-            layers = pp * (model.layers_per_virtual_stage or 1)
-            virtual_stage_size(
-                layers, pp, model.virtual_stages, model.layers_per_virtual_stage, uneven=uneven
+            check_virtual_flags(
+                pp, model.virtual_stages, model.layers_per_virtual_stage, model.uneven_stages
             )
             if self.lora.enabled:
                 raise ValueError(
@@ -354,9 +351,7 @@ class TrainConfig:
                 f"--global-batch-size {schedule.global_batch_size} is not divisible by "
                 f"--micro-batch-size x data-parallel size = {micro} x {dp}"
             )
-        interleaved = self.model.virtual_stages not in (None, 1) or (
-            self.model.layers_per_virtual_stage is not None
-        )
+        interleaved = self.model.interleaved
         per_rank = schedule.global_batch_size // dp
         if interleaved and per_rank < p.pipeline_parallel:
             raise ValueError(

@@ -98,31 +98,28 @@ def test_a_micro_batch_recorded_by_some_chunks_only_fails_the_pass(ws1):
     driver.close()
 
 
-def test_a_route_replayed_into_another_micro_batch_fails_loudly(ws1):
-    """Chunk 1 given micro-batch 1's routes (3 rows) while it runs micro-batch 0 (2 rows)."""
+@pytest.mark.parametrize(
+    ("pushed", "runs", "match"),
+    [
+        # chunk 1 given micro-batch 1's routes (3 rows) while it runs micro-batch 0 (2 rows)
+        ((1, 1), (1, 0), "routes 24 local tokens but 36 replay rows"),
+        # routes pushed for chunk 1 only: chunk 0's forward has nothing to replay
+        ((0, 1), (0, 0), "forward needs replayed routes but none are left"),
+    ],
+    ids=["another-micro-batch", "another-chunk"],
+)
+def test_a_route_pushed_for_another_forward_fails_loudly(ws1, pushed, runs, match):
+    """``pushed``: (micro-batch, chunk) whose routes are pushed; ``runs``: (chunk, micro-batch)
+    whose forward then runs."""
     config, chunks = _two_chunks()
     driver = make_driver(chunks, config, mode="r2")
     tokens = [_tokens(config, 2, seed=0), _tokens(config, 3, seed=1)]
     _record_interleaved(driver, chunks, tokens)
     driver.start_pass("replay")
+    (key, chunk), (running, mb) = pushed, runs
     with torch.no_grad():
-        driver.push(driver.recorded_routes(1), chunk=1)
-        with pytest.raises(RuntimeError, match="routes 24 local tokens but 36 replay rows"):
-            logits_of(chunks[1], tokens[0])
-    driver.finish_pass(False)
-    driver.close()
-
-
-def test_a_chunk_without_pushed_routes_refuses_to_route(ws1):
-    """Routes pushed for chunk 1 only: chunk 0's forward has nothing to replay."""
-    config, chunks = _two_chunks()
-    driver = make_driver(chunks, config, mode="r2")
-    tokens = [_tokens(config, 2, seed=0), _tokens(config, 3, seed=1)]
-    _record_interleaved(driver, chunks, tokens)
-    driver.start_pass("replay")
-    with torch.no_grad():
-        driver.push(driver.recorded_routes(0), chunk=1)
-        with pytest.raises(RuntimeError, match="forward needs replayed routes but none are left"):
-            logits_of(chunks[0], tokens[0])
+        driver.push(driver.recorded_routes(key), chunk=chunk)
+        with pytest.raises(RuntimeError, match=match):
+            logits_of(chunks[running], tokens[mb])
     driver.finish_pass(False)
     driver.close()
